@@ -1,0 +1,60 @@
+"""Named errors of the whole pipeline.
+
+Every error the backend raises on bad input derives from :class:`FstBackendError`, so the vLLM
+integration can turn all of them into HTTP 400 responses and the CLI into a clean message.
+"""
+
+from __future__ import annotations
+
+
+class FstBackendError(Exception):
+    """Base class of every error raised by vllm-fst-backend on bad input or bad artifacts."""
+
+
+# --- artifacts (once per tokenizer) -------------------------------------------------------------
+
+
+class UnsupportedTokenizerError(FstBackendError):
+    """The tokenizer is not one of the supported kinds (byte-level BPE, SentencePiece BPE, tiktoken BPE)."""
+
+
+class ArtifactError(FstBackendError):
+    """Tokenizer artifacts are missing, corrupt, or were built for another tokenizer.
+
+    The message always names the offending file and the exact command that rebuilds the artifacts.
+    """
+
+
+class OutputDirError(FstBackendError):
+    """The artifact output directory cannot be created or written."""
+
+
+# --- compiler (once per request) ----------------------------------------------------------------
+
+
+class RegexError(FstBackendError):
+    """Base class of errors about a request's regex. ``position`` is a 0-based character offset or None."""
+
+    def __init__(self, message: str, position: int | None = None):
+        super().__init__(message if position is None else f"{message} (at position {position})")
+        self.position = position
+
+
+class RegexSyntaxError(RegexError):
+    """The regex does not parse."""
+
+
+class UnsupportedRegexError(RegexError):
+    """The regex uses a construct a finite automaton cannot express (backreference, lookaround, ...)."""
+
+
+class CompileBudgetError(RegexError):
+    """Compiling the regex exceeded the state or time budget (e.g. ``.{5000}`` or ``(a|b)*a(a|b){20}``)."""
+
+
+class EmptyLanguageError(RegexError):
+    """No token sequence satisfies the constraint (unsatisfiable regex, or empty under the filters)."""
+
+
+class InvalidOptionError(FstBackendError):
+    """A per-request option (``fst_canonical``, ``fst_scripts``, ...) has an unknown name or a bad value."""
