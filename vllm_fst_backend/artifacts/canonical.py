@@ -1,0 +1,537 @@
+"""The canonical-BPE filter: the implicit form of A_BPE (paper 004 §6.5), exact for pre-tokenized BPE.
+
+Theory
+------
+For plain BPE, a token sequence is canonical iff every adjacent pair is (Berglund & van der Merwe 2023,
+Cor. 2, restated as 004 Statement 1.1). So A_BPE needs, per token ``u``, only the set
+``BANNED(u) = {v : BPE(bytes(u) + bytes(v)) != [u, v]}``; tokens with equal rows are one state
+(a *class*) of the minimal A_BPE.
+
+We compute BANNED from the merge table, never by tokenizing |V|^2 pairs. Let the merge tree of a token be
+the tree BPE builds on its own symbols. Its *right spine* is the chain root → right child → ...; each node
+``x`` on it has a formation rank ``f(x)`` (the merge that built it; -1 for a base symbol) and a death rank
+``d_u(x)`` (the merge that absorbs it into its parent; +inf for the root). Symmetrically the *left spine*
+of ``v``. While no merge crosses the u|v boundary, the two halves evolve exactly as alone, and the right
+end of u's half is always a right-spine node (the left end of v's half a left-spine node). Hence a
+boundary-crossing merge happens iff some merge ``(x, y) -> rank m`` has x alive in u and y alive in v:
+
+    f(x) < m < d_u(x)     and     f(y) < m <= d_v(y)
+
+(ties: equal ranks mean the same merged token; the leftmost occurrence merges first, so a tie with u's
+absorbing merge is lost by the boundary and a tie with v's absorbing merge is won). This is the "merge
+that would fire before either side is absorbed" rule; the oracle test checks it against the tokenizer.
+
+Pre-tokenization (paper 000 §3.1)
+---------------------------------
+BPE runs inside the pre-tokenizer's chunks, so for the pair text ``u+v`` we first ask where the chunk
+boundaries fall: a boundary strictly inside u or v → banned; a boundary exactly at the junction → allowed
+(no merge can cross it); no boundary → the merge rule above. Chunk boundaries depend only on the classes
+of characters the pre-tokenizer's regex distinguishes (Unicode category, whitespace, the letters of the
+contractions, ...), so we map every token to a *representative string* (one representative character
+per class, runs capped at 3) and run the tokenizer's own pre-tokenizer on representative pairs only.
+
+Lookahead (the whitespace rule)
+-------------------------------
+The regex alternative ``\\s+(?!\\S)`` makes the chunking of a whitespace run depend on the character
+*after* it: ``"\\n\\n"`` is one chunk at the end of a text but ``"\\n" "\\n"`` before a letter. So when v
+ends with whitespace, the verdict for (u, v) depends on the first character of the next token. We keep it
+exact with a refinement of the A_BPE state: state = (class of last token, S) where S is the set of
+*lookahead classes* (classes of the next token's first character, plus END) under which (u, v) is
+canonical. ``la_sets[k, j]`` stores S for class k followed by whitespace-final token j; for other tokens
+S = ALL. EOS is allowed iff END ∈ S.
+
+Invalid UTF-8 joins (byte-level tokens that split a character)
+--------------------------------------------------------------
+A pre-tokenizer never splits inside a character. So when the u|v junction falls inside a character,
+the junction is not a chunk boundary and the verdict is the merge rule alone; a partial character is
+represented by a letter of class Lo when computing chunk boundaries elsewhere in u+v. Joined bytes that
+are invalid UTF-8 in any other way never reach the output (the UTF-8 filter removes them), and get the
+same definition. SentencePiece byte-fallback tokens never merge (they stand for characters outside the
+vocabulary), so they are never in conflict; which bytes may use them is decided by the detokenizer's
+"canonical" byte policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import unicodedata
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .tokenizer_info import SP_SPACE, TokenizerInfo
+
+INF = np.iinfo(np.int64).max
+BANNED, SPLIT, JOIN = 0, 1, 2
+_RUN_CAP = 3
+_PARTIAL_REP = "\u4e2d"  # 中, class Lo: stands for a character split across tokens
+_SPECIAL_CHARS = set(" \t\n\r\x0b\x0c'/\u2019")  # kept literally: regex alternatives name them
+_CONTRACTION_LETTERS = set("stmdlrevSTMDLREV")  # literal only right after an apostrophe ('s, 'll, ...)
+
+
+@dataclass
+class CanonicalFilter:
+    """The implicit canonical automaton A_BPE with the lookahead refinement (module docstring).
+
+    Arrays (V = vocabulary size, W = ceil(V/32), C = number of classes, L = lookahead classes,
+    J = whitespace-final tokens):
+
+    * ``token_class``: int32[V] -- class (A_BPE state) reached by each token; -1 = never canonical.
+    * ``banned_rows``: int32[C, W] -- vLLM bit layout; bit v of row k set ⇔ v may not follow class k.
+    * ``start_row``: int32[W] -- bit v set ⇔ v may be the first token.
+    * ``la_first``: int16[V] -- lookahead class (0..L-1) of each token's first character (-1: none).
+    * ``la_rows``: int32[L, W] -- tokens whose first character is in lookahead class c.
+    * ``la_token_index``: int32[V] -- j for whitespace-final tokens, else -1.
+    * ``la_sets``: uint64[C + 1, J] -- row k (row C = start state): bit c set ⇔ after class k and token j
+      the next token may start with lookahead class c; bit L set ⇔ the text may end there (END).
+
+    The canonical state is (k, S) with S a uint64 set over lookahead classes + END; see
+    :meth:`allowed_row` and :meth:`step`.
+    """
+
+    vocab_size: int
+    token_class: np.ndarray
+    banned_rows: np.ndarray
+    start_row: np.ndarray
+    la_first: np.ndarray
+    la_rows: np.ndarray
+    la_token_index: np.ndarray
+    la_sets: np.ndarray
+    stats: dict = field(default_factory=dict)
+
+    ARRAY_NAMES = ("token_class", "banned_rows", "start_row", "la_first", "la_rows", "la_token_index", "la_sets")
+
+    @property
+    def n_classes(self) -> int:
+        """C, the number of A_BPE classes (excluding the start state)."""
+        return int(self.banned_rows.shape[0])
+
+    @property
+    def n_lookahead(self) -> int:
+        """L, the number of lookahead classes (END is bit L)."""
+        return int(self.la_rows.shape[0])
+
+    @property
+    def start_class(self) -> int:
+        """The class index standing for 'no token yet' (== C)."""
+        return self.n_classes
+
+    @property
+    def all_set(self) -> int:
+        """S = every lookahead class and END."""
+        return (1 << (self.n_lookahead + 1)) - 1
+
+    @property
+    def end_bit(self) -> int:
+        """The bit of END in a lookahead set S."""
+        return 1 << self.n_lookahead
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays to store on disk (names of :data:`ARRAY_NAMES`)."""
+        return {n: getattr(self, n) for n in self.ARRAY_NAMES}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], vocab_size: int, stats: dict | None = None) -> "CanonicalFilter":
+        """Rebuild from :meth:`arrays` (e.g. memory-mapped ``.npy`` files)."""
+        return cls(vocab_size=vocab_size, stats=dict(stats or {}), **{n: arrays[n] for n in cls.ARRAY_NAMES})
+
+    def summary(self) -> dict:
+        """Figures for the build summary: classes, banned pairs, lookahead sizes, bytes."""
+        s = dict(self.stats)
+        s.update(
+            n_classes=self.n_classes,
+            n_lookahead_classes=self.n_lookahead,
+            n_lookahead_tokens=int(self.la_sets.shape[1]),
+            nbytes=int(sum(a.nbytes for a in self.arrays().values())),
+        )
+        return s
+
+    # --- the automaton ----------------------------------------------------------------------------
+
+    def allowed_row(self, k: int, S: int) -> np.ndarray:
+        """int32[W]: tokens allowed after class ``k`` (``start_class`` for none) with lookahead set S.
+        EOS is not part of the row: it is allowed iff ``S & end_bit``."""
+        base = self.start_row if k == self.start_class else ~self.banned_rows[k]
+        if S & (self.all_set ^ self.end_bit) != (self.all_set ^ self.end_bit):
+            la = np.zeros_like(base)
+            for c in range(self.n_lookahead):
+                if S >> c & 1:
+                    la |= self.la_rows[c]
+            base = base & la
+        return base
+
+    def is_allowed(self, k: int, S: int, v: int) -> bool:
+        """Whether token ``v`` may follow state (k, S)."""
+        if self.token_class[v] < 0:
+            return False
+        row = self.start_row if k == self.start_class else self.banned_rows[k]
+        bit = (int(row[v >> 5]) >> (v & 31)) & 1
+        if (k == self.start_class) != bool(bit):
+            return False
+        c = int(self.la_first[v])
+        return c >= 0 and bool(S >> c & 1)
+
+    def step(self, k: int, v: int) -> tuple[int, int]:
+        """The state (k', S') after reading token ``v`` from class ``k`` (no check; see is_allowed)."""
+        j = int(self.la_token_index[v])
+        S = int(self.la_sets[k, j]) if j >= 0 else self.all_set
+        return int(self.token_class[v]), S
+
+    def accepts(self, ids) -> bool:
+        """Whether the whole sequence ``ids`` is canonical according to the filter (ending at END)."""
+        k, S = self.start_class, self.all_set
+        for v in ids:
+            if not self.is_allowed(k, S, v):
+                return False
+            k, S = self.step(k, v)
+        return bool(S & self.end_bit)
+
+
+# --------------------------------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------------------------------
+
+
+def _bpe_tree(symbols: list[int], merges: dict) -> tuple[list[int], list[tuple]]:
+    """Run BPE on ``symbols`` (token ids of base symbols), lowest rank first, ties leftmost.
+
+    Returns (final token ids, nodes) where nodes[i] = (token_id, formation_rank, left, right) and the
+    final list refers to node indices' token ids. Quadratic in the length; tokens are short.
+    """
+    nodes = [(s, -1, -1, -1) for s in symbols]
+    seq = list(range(len(symbols)))
+    while len(seq) > 1:
+        best, best_i = None, -1
+        for i in range(len(seq) - 1):
+            m = merges.get((nodes[seq[i]][0], nodes[seq[i + 1]][0]))
+            if m is not None and (best is None or m[0] < best[0]):
+                best, best_i = m, i
+        if best is None:
+            break
+        nodes.append((best[1], best[0], seq[best_i], seq[best_i + 1]))
+        seq[best_i : best_i + 2] = [len(nodes) - 1]
+    return [nodes[i][0] for i in seq], nodes, seq
+
+
+def _spines(nodes, root: int):
+    """Right and left spines of the tree at ``root``: lists of (token_id, formation, death)."""
+    out = []
+    for side in (3, 2):  # right child index 3, left child index 2
+        spine, n, death = [], root, INF
+        while n >= 0:
+            tok, f, left, right = nodes[n]
+            spine.append((tok, f, death))
+            death = f
+            n = right if side == 3 else left
+        out.append(spine)
+    return out[0], out[1]
+
+
+def _char_signature(c: str, ws_re, literal: bool) -> tuple:
+    cat = unicodedata.category(c)
+    return (cat, c.isspace(), bool(ws_re.match(c)), c if literal else None)
+
+
+class _RepMapper:
+    """Maps text to representative strings: one character per pre-tokenizer-relevant class, runs capped."""
+
+    def __init__(self, kind: str):
+        import regex
+
+        self.kind = kind
+        self._ws = regex.compile(r"\s")
+        self._rep_of_sig: dict[tuple, str] = {}
+        self._cache: dict[str, str] = {}
+
+    def char(self, c: str, after_apostrophe: bool = False) -> str:
+        """Representative of ``c``; contraction letters stay literal only right after an apostrophe."""
+        if self.kind == "sentencepiece_bpe":
+            return SP_SPACE if c in (" ", SP_SPACE) else "a"
+        literal = c in _SPECIAL_CHARS or (after_apostrophe and c in _CONTRACTION_LETTERS)
+        key = (c, literal)
+        r = self._cache.get(key)
+        if r is None:
+            sig = _char_signature(c, self._ws, literal)
+            r = self._rep_of_sig.setdefault(sig, c)
+            self._cache[key] = r
+        return r
+
+    def text(self, s: str) -> str:
+        """Representative string of ``s``: per-class characters, runs capped at ``_RUN_CAP``."""
+        out: list[str] = []
+        run = 0
+        since_apostrophe = 99
+        for c in s:
+            since_apostrophe = 0 if c in "'\u2019" else since_apostrophe + 1
+            r = self.char(c, since_apostrophe <= 2)
+            if out and out[-1] == r:
+                run += 1
+                if run >= _RUN_CAP:
+                    continue
+            else:
+                run = 0
+            out.append(r)
+        return "".join(out)
+
+
+def _surface_text(b: bytes, kind: str) -> tuple[str, bool, bool]:
+    """Decode token bytes; partial characters at either end become a Lo letter.
+    Returns (text, starts_partial, ends_partial)."""
+    try:
+        s = b.decode("utf-8")
+        return s, False, False
+    except UnicodeDecodeError:
+        pass
+    # strip leading continuation bytes and a trailing incomplete sequence
+    i = 0
+    while i < len(b) and i < 3 and (b[i] & 0xC0) == 0x80:
+        i += 1
+    j = len(b)
+    k = j - 1
+    while k >= i and k > j - 4 and (b[k] & 0xC0) == 0x80:
+        k -= 1
+    if k >= i and b[k] >= 0xC0:
+        need = 2 if b[k] < 0xE0 else 3 if b[k] < 0xF0 else 4
+        if j - k < need:
+            j = k
+    mid = b[i:j].decode("utf-8", errors="replace")
+    return (_PARTIAL_REP if i else "") + mid + (_PARTIAL_REP if j < len(b) else ""), i > 0, j < len(b)
+
+
+def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> CanonicalFilter:
+    """Build the canonical filter of ``info`` from its merge table and pre-tokenizer (module docstring).
+
+    Cost: O(V * |spine|) tree work, O(R^2) pre-tokenizer calls over R distinct representative strings,
+    and O(V * V / 8) bytes of row work in numpy. Raises nothing on supported tokenizers.
+    """
+    from tqdm import tqdm
+
+    t0 = time.time()
+    V = info.vocab_size
+    W = (V + 31) // 32
+    kind = info.kind
+    byte_ids = set(info.byte_fallback.values())
+    mapper = _RepMapper(kind)
+    steps = tqdm(total=5, desc="canonical filter", disable=not progress, unit="step")
+
+    # 1. standalone canonicality, merge trees and spines ------------------------------------------
+    ok = np.zeros(V, dtype=bool)
+    rspine: list[list] = [[] for _ in range(V)]
+    lspine: list[list] = [[] for _ in range(V)]
+    reps: list[str | None] = [None] * V
+    first_rep: list[str | None] = [None] * V
+    ws_final = np.zeros(V, dtype=bool)
+    for t in range(V):
+        b = info.token_bytes[t]
+        if b is None or not b:
+            continue
+        if t in byte_ids:
+            # An ASCII byte token is never canonical when the character has a piece of its own
+            # (000 §4.3); which multi-byte sequences may use byte tokens is the detokenizer's
+            # "canonical" byte policy (characters outside the vocabulary only).
+            if b[0] < 0x80 and chr(b[0]).replace(" ", SP_SPACE) in info.symbol_id:
+                continue
+            ok[t] = True
+            rspine[t] = lspine[t] = [(t, -1, INF)]
+            reps[t] = _PARTIAL_REP
+            first_rep[t] = _PARTIAL_REP
+            continue
+        try:
+            syms = info.symbols_of(t)
+        except (KeyError, UnicodeDecodeError):
+            continue
+        final, nodes, seq = _bpe_tree(syms, info.merges)
+        if final != [t]:
+            continue
+        text, _, ends_partial = _surface_text(b, kind)
+        if not ends_partial and len(info.chunk_spans(text)) != 1:
+            continue
+        ok[t] = True
+        rspine[t], lspine[t] = _spines(nodes, seq[0])
+        reps[t] = mapper.text(text)
+        first_rep[t] = mapper.char(text[0])
+        ws_final[t] = (not ends_partial) and text[-1].isspace()
+    steps.update()
+
+    # 2. pre-tokenizer categories over representative strings ------------------------------------
+    rep_ids: dict[str, int] = {}
+    tok_rep = np.full(V, -1, dtype=np.int32)
+    for t in np.flatnonzero(ok):
+        tok_rep[t] = rep_ids.setdefault(reps[t], len(rep_ids))
+    rep_list = list(rep_ids)
+    R = len(rep_list)
+    la_chars = sorted({first_rep[t] for t in np.flatnonzero(ok)})
+    L = len(la_chars)
+    if L > 63:
+        raise RuntimeError(f"{L} lookahead classes do not fit a uint64 set")
+    la_index = {c: i for i, c in enumerate(la_chars)}
+    la_first = np.full(V, -1, dtype=np.int16)
+    for t in np.flatnonzero(ok):
+        la_first[t] = la_index[first_rep[t]]
+    ws_rep = sorted({int(tok_rep[t]) for t in np.flatnonzero(ws_final & ok)})
+    ws_rep_pos = {r: i for i, r in enumerate(ws_rep)}
+
+    def category(a: str, b: str, look: str = "") -> int:
+        spans = info.chunk_spans(a + b + look)
+        la, lb = len(a), len(a) + len(b)
+        junction = False
+        for s, e in spans:
+            for x in (s, e):
+                if 0 < x < la or la < x < lb:
+                    return BANNED
+                if x == la:
+                    junction = True
+        return SPLIT if junction else JOIN
+
+    cat = np.empty((R + 1, R), dtype=np.uint8)  # row R: start of text
+    for i, a in enumerate(tqdm(rep_list, desc="pre-tokenizer pairs", disable=not progress, leave=False)):
+        for j, bb in enumerate(rep_list):
+            cat[i, j] = category(a, bb)
+    for j, bb in enumerate(rep_list):
+        cat[R, j] = category("", bb)
+    # lookahead verdicts for whitespace-final v: [R+1, n_ws_rep, L+1] (last = END)
+    cat_la = np.empty((R + 1, len(ws_rep), L + 1), dtype=np.uint8)
+    for i in range(R + 1):
+        a = rep_list[i] if i < R else ""
+        for jj, j in enumerate(ws_rep):
+            bb = rep_list[j]
+            for c, ch in enumerate(la_chars):
+                cat_la[i, jj, c] = category(a, bb, ch)
+            cat_la[i, jj, L] = cat[i, j]
+    steps.update()
+
+    # 3. left-spine index: for each token y, entries (v, death, formation) sorted by death desc ------
+    ys, vs, ds, fs = [], [], [], []
+    for v in np.flatnonzero(ok):
+        for y, f, d in lspine[v]:
+            ys.append(y), vs.append(v), ds.append(d), fs.append(f)
+    ys = np.asarray(ys, dtype=np.int64)
+    vs = np.asarray(vs, dtype=np.int64)
+    ds = np.asarray(ds, dtype=np.int64)
+    fs = np.asarray(fs, dtype=np.int64)
+    order = np.lexsort((-ds, ys))
+    ys, vs, ds, fs = ys[order], vs[order], ds[order], fs[order]
+    lptr = np.searchsorted(ys, np.arange(V + 1))
+    neg_ds = -ds  # ascending within each y block
+    # merges by left token, sorted by rank
+    by_left: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    ml = np.array([(a, b, r) for (a, b), (r, _) in info.merges.items()], dtype=np.int64).reshape(-1, 3)
+    ml = ml[np.lexsort((ml[:, 2], ml[:, 0]))]
+    mptr = np.searchsorted(ml[:, 0], np.arange(V + 1))
+    steps.update()
+
+    item_cache: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def item_conflicts(x: int, fx: int, dx: int) -> np.ndarray:
+        """Token ids v in conflict with a right-spine node x alive in (fx, dx)."""
+        key = (x, fx, dx)
+        got = item_cache.get(key)
+        if got is not None:
+            return got
+        lo, hi = mptr[x], mptr[x + 1]
+        block = ml[lo:hi]
+        block = block[(block[:, 2] > fx) & (block[:, 2] < dx)]
+        parts = []
+        for y, m in zip(block[:, 1].tolist(), block[:, 2].tolist()):
+            a, b = lptr[y], lptr[y + 1]
+            if a == b:
+                continue
+            # entries with death >= m are a prefix of the block (sorted by death desc)
+            cut = a + int(np.searchsorted(neg_ds[a:b], -m, side="right"))
+            if cut > a:
+                sel = vs[a:cut][fs[a:cut] < m]
+                if sel.size:
+                    parts.append(sel)
+        res = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
+        item_cache[key] = res
+        return res
+
+    # 4. rows per token, deduplicated into classes ------------------------------------------------
+    not_ok = ~ok
+    ws_tokens = np.flatnonzero(ws_final & ok)
+    J = len(ws_tokens)
+    la_token_index = np.full(V, -1, dtype=np.int32)
+    la_token_index[ws_tokens] = np.arange(J, dtype=np.int32)
+    ws_tok_rep_pos = np.array([ws_rep_pos[int(tok_rep[t])] for t in ws_tokens], dtype=np.int64)
+    tok_rep_safe = np.where(tok_rep >= 0, tok_rep, 0)
+    c_range = np.arange(L + 1, dtype=np.uint64)
+    class_of_sig: dict[bytes, int] = {}
+    rows: list[np.ndarray] = []
+    sets: list[np.ndarray] = []
+    token_class = np.full(V, -1, dtype=np.int32)
+    n_banned = 0
+    conflict = np.zeros(V, dtype=bool)
+
+    def la_vector(ru: int, conflict_vec: np.ndarray) -> np.ndarray:
+        cats = cat_la[ru][ws_tok_rep_pos]  # [J, L+1]
+        okc = (cats == SPLIT) | ((cats == JOIN) & ~conflict_vec[ws_tokens][:, None])
+        return (okc.astype(np.uint64) << c_range).sum(axis=1, dtype=np.uint64) if J else np.zeros(0, np.uint64)
+
+    for u in tqdm(np.flatnonzero(ok), desc="canonical rows", disable=not progress, leave=False):
+        conflict[:] = False
+        for x, fx, dx in rspine[u]:
+            hit = item_conflicts(x, fx, dx)
+            if hit.size:
+                conflict[hit] = True
+        ru = int(tok_rep[u])
+        cats = cat[ru][tok_rep_safe]
+        banned = (cats == BANNED) | ((cats == JOIN) & conflict) | not_ok
+        lav = la_vector(ru, conflict)
+        if J:
+            banned[ws_tokens] = lav == 0
+        packed = np.packbits(banned, bitorder="little")
+        sig = hashlib.blake2b(packed.tobytes() + lav.tobytes(), digest_size=16).digest()
+        k = class_of_sig.get(sig)
+        if k is None:
+            k = class_of_sig[sig] = len(rows)
+            rows.append(packed)
+            sets.append(lav)
+            n_banned += int(banned[ok].sum())
+        token_class[u] = k
+    steps.update()
+
+    # start state
+    conflict[:] = False
+    cats = cat[R][tok_rep_safe]
+    start_allowed = (cats != BANNED) & ok
+    start_lav = la_vector(R, conflict)
+    if J:
+        start_allowed[ws_tokens] &= start_lav != 0
+
+    C = len(rows)
+    pad = W * 4
+    banned_rows = np.zeros((C, pad), dtype=np.uint8)
+    for k, r in enumerate(rows):
+        banned_rows[k, : r.size] = r
+    banned_rows = banned_rows.view("<i4")
+    start_row = np.zeros(pad, dtype=np.uint8)
+    sp = np.packbits(start_allowed, bitorder="little")
+    start_row[: sp.size] = sp
+    start_row = start_row.view("<i4")
+    la_rows = np.zeros((L, pad), dtype=np.uint8)
+    for c in range(L):
+        r = np.packbits(la_first == c, bitorder="little")
+        la_rows[c, : r.size] = r
+    la_rows = la_rows.view("<i4")
+    la_sets = np.zeros((C + 1, J), dtype=np.uint64)
+    for k, s in enumerate(sets):
+        la_sets[k] = s
+    la_sets[C] = start_lav
+    steps.update()
+    steps.close()
+    stats = dict(
+        n_tokens=int(V),
+        n_canonical_tokens=int(ok.sum()),
+        n_rep_strings=R,
+        banned_pairs_class_level=int(n_banned),
+        build_seconds=round(time.time() - t0, 2),
+        n_spine_items=len(item_cache),
+        spine_item_entries=int(sum(a.size for a in item_cache.values())),
+    )
+    return CanonicalFilter(
+        vocab_size=V, token_class=token_class, banned_rows=np.ascontiguousarray(banned_rows),
+        start_row=np.ascontiguousarray(start_row), la_first=la_first, la_rows=np.ascontiguousarray(la_rows),
+        la_token_index=la_token_index, la_sets=la_sets, stats=stats,
+    )
