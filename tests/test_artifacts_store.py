@@ -240,12 +240,14 @@ def test_store_canonical_arrays_round_trip(tmp_path, mistral_v1_info):
     rng = np.random.default_rng(0)
     arrays = {
         "token_class": rng.integers(-1, 5, V).astype(np.int32),
-        "banned_rows": rng.integers(-(2**31), 2**31 - 1, (5, W)).astype(np.int32),
+        "banned_ptr": np.array([0, 3, 3, 7, 9, 12], dtype=np.int64),
+        "banned_ids": rng.integers(0, V, 12).astype(np.uint16),
         "start_row": rng.integers(-(2**31), 2**31 - 1, W).astype(np.int32),
         "la_first": rng.integers(-1, 3, V).astype(np.int16),
         "la_rows": rng.integers(-(2**31), 2**31 - 1, (3, W)).astype(np.int32),
         "la_token_index": rng.integers(-1, 4, V).astype(np.int32),
-        "la_sets": rng.integers(0, 2**4, (6, 4)).astype(np.uint64),
+        "la_set_values": np.array([0, 5, 15], dtype=np.uint64),
+        "la_set_index": rng.integers(0, 3, (6, 4)).astype(np.uint8),
     }
     cf = CanonicalFilter.from_arrays(arrays, V, stats={"banned_pairs": 123})
     tiny = pynini.accep("a")
@@ -258,6 +260,12 @@ def test_store_canonical_arrays_round_trip(tmp_path, mistral_v1_info):
         assert isinstance(got, np.memmap) and got.dtype == a.dtype
         np.testing.assert_array_equal(got, a)
     assert c.vocab_size == V and c.stats["banned_pairs"] == 123
+    # the dense rows expand the CSR sets: bit v of row k set <=> v in banned_ids[ptr[k]:ptr[k+1]]
+    rows = c.banned_rows
+    assert rows.shape == (5, W) and rows.dtype == np.int32
+    for k in range(5):
+        ids = set(arrays["banned_ids"][arrays["banned_ptr"][k] : arrays["banned_ptr"][k + 1]].tolist())
+        assert set(bitrows.ids_from_row(rows[k], V).tolist()) == ids
     assert arts.manifest["detokenizers"] == {p: "detokenizer.fst" for p in BYTE_POLICIES}
 
 

@@ -217,3 +217,21 @@ def test_random_walks_roundtrip(canon):
         else:
             failures.append(([info.token_bytes[i] for i in ids], [info.token_bytes[i] for i in enc]))
     assert roundtrip == walks, (roundtrip / walks, failures[:5])
+
+
+@pytest.mark.parametrize("V", [32000, 49152, 131072])
+def test_stored_form_round_trips(V):
+    """The on-disk CSR form (uint16 segments per 65,536 ids) expands back to the same vLLM bit rows."""
+    from vllm_fst_backend.artifacts.canonical import csr_to_rows, rows_to_csr
+
+    rng = np.random.default_rng(V)
+    dense = rng.random((7, V)) < 0.03
+    dense[3] = False  # an empty row
+    dense[5, -1] = dense[5, 0] = True  # both ends of the vocabulary
+    rows = [np.packbits(r, bitorder="little") for r in dense]
+    ptr, ids = rows_to_csr(rows, V)
+    assert ids.dtype == np.uint16 and ids.size == dense.sum()
+    back = csr_to_rows(ptr, ids, V)
+    want = np.zeros((7, (V + 31) // 32 * 4), dtype=np.uint8)
+    want[:, : rows[0].size] = np.stack(rows)
+    np.testing.assert_array_equal(back, want.view("<i4"))

@@ -79,13 +79,20 @@ class CanonicalFilter:
     J = whitespace-final tokens):
 
     * ``token_class``: int32[V] -- class (A_BPE state) reached by each token; -1 = never canonical.
-    * ``banned_rows``: int32[C, W] -- vLLM bit layout; bit v of row k set ⇔ v may not follow class k.
+    * ``banned_ptr``: int64[C*H + 1] and ``banned_ids``: uint16[N] -- the banned sets in CSR form, as
+      stored on disk (memory-mappable, 2 bytes a banned pair instead of V/8 bytes a row). With
+      H = ceil(V / 65536), segment ``k*H + h`` holds the ids ``v`` of row k with ``v >> 16 == h`` as
+      ``v & 0xFFFF``.
+    * ``banned_rows`` (property): int32[C, W] -- the same sets in vLLM's bit layout, expanded once on
+      first use; bit v of row k set ⇔ v may not follow class k.
     * ``start_row``: int32[W] -- bit v set ⇔ v may be the first token.
     * ``la_first``: int16[V] -- lookahead class (0..L-1) of each token's first character (-1: none).
     * ``la_rows``: int32[L, W] -- tokens whose first character is in lookahead class c.
     * ``la_token_index``: int32[V] -- j for whitespace-final tokens, else -1.
-    * ``la_sets``: uint64[C + 1, J] -- row k (row C = start state): bit c set ⇔ after class k and token j
-      the next token may start with lookahead class c; bit L set ⇔ the text may end there (END).
+    * ``la_set_values``: uint64[D] and ``la_set_index``: uint8[C + 1, J] (uint16 if D > 256) -- the few
+      distinct lookahead sets and, per (class, whitespace-final token), which one applies; stored so.
+    * ``la_sets`` (property): uint64[C + 1, J] -- row k (row C = start state): bit c set ⇔ after class k
+      and token j the next token may start with lookahead class c; bit L set ⇔ the text may end (END).
 
     The canonical state is (k, S) with S a uint64 set over lookahead classes + END; see
     :meth:`allowed_row` and :meth:`step`.
@@ -93,20 +100,36 @@ class CanonicalFilter:
 
     vocab_size: int
     token_class: np.ndarray
-    banned_rows: np.ndarray
+    banned_ptr: np.ndarray
+    banned_ids: np.ndarray
     start_row: np.ndarray
     la_first: np.ndarray
     la_rows: np.ndarray
     la_token_index: np.ndarray
-    la_sets: np.ndarray
+    la_set_values: np.ndarray
+    la_set_index: np.ndarray
     stats: dict = field(default_factory=dict)
 
-    ARRAY_NAMES = ("token_class", "banned_rows", "start_row", "la_first", "la_rows", "la_token_index", "la_sets")
+    ARRAY_NAMES = ("token_class", "banned_ptr", "banned_ids", "start_row", "la_first", "la_rows", "la_token_index", "la_set_values", "la_set_index")
+    _dense: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def n_classes(self) -> int:
         """C, the number of A_BPE classes (excluding the start state)."""
-        return int(self.banned_rows.shape[0])
+        return (int(self.banned_ptr.shape[0]) - 1) // _segments(self.vocab_size)
+
+    @property
+    def la_sets(self) -> np.ndarray:
+        """uint64[C + 1, J]: the lookahead set per (class, whitespace-final token); see the class doc."""
+        return np.asarray(self.la_set_values)[np.asarray(self.la_set_index)]
+
+    @property
+    def banned_rows(self) -> np.ndarray:
+        """int32[C, W]: the banned sets in vLLM's bit layout (expanded from the CSR form on first use,
+        ~0.1 s and C*W*4 bytes of memory)."""
+        if self._dense is None:
+            self._dense = csr_to_rows(self.banned_ptr, self.banned_ids, self.vocab_size)
+        return self._dense
 
     @property
     def n_lookahead(self) -> int:
@@ -142,8 +165,9 @@ class CanonicalFilter:
         s = dict(self.stats)
         s.update(
             n_classes=self.n_classes,
+            banned_pairs_class_level=int(self.banned_ids.size),
             n_lookahead_classes=self.n_lookahead,
-            n_lookahead_tokens=int(self.la_sets.shape[1]),
+            n_lookahead_tokens=int(self.la_set_index.shape[1]),
             nbytes=int(sum(a.nbytes for a in self.arrays().values())),
         )
         return s
@@ -176,7 +200,7 @@ class CanonicalFilter:
     def step(self, k: int, v: int) -> tuple[int, int]:
         """The state (k', S') after reading token ``v`` from class ``k`` (no check; see is_allowed)."""
         j = int(self.la_token_index[v])
-        S = int(self.la_sets[k, j]) if j >= 0 else self.all_set
+        S = int(self.la_set_values[self.la_set_index[k, j]]) if j >= 0 else self.all_set
         return int(self.token_class[v]), S
 
     def accepts(self, ids) -> bool:
@@ -187,6 +211,44 @@ class CanonicalFilter:
                 return False
             k, S = self.step(k, v)
         return bool(S & self.end_bit)
+
+
+def _segments(V: int) -> int:
+    """H = ceil(V / 65536): uint16 segments per row of the stored banned sets."""
+    return max(1, (V + 0xFFFF) >> 16)
+
+
+def rows_to_csr(rows: list[np.ndarray], V: int) -> tuple[np.ndarray, np.ndarray]:
+    """Packed bit rows (uint8, little bit order) → (``ptr`` int64[C*H+1], ``ids`` uint16[N]) as described
+    in :class:`CanonicalFilter` (segment k*H + h: ids with ``v >> 16 == h``, stored as ``v & 0xFFFF``)."""
+    H = _segments(V)
+    parts = []
+    for r in rows:
+        ids = np.flatnonzero(np.unpackbits(r, bitorder="little")[:V])
+        cuts = np.searchsorted(ids, np.arange(1, H) << 16)
+        parts += [p.astype(np.uint16) for p in np.split(ids & 0xFFFF, cuts)]
+    ptr = np.zeros(len(parts) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum([p.size for p in parts])
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+    return ptr, ids
+
+
+def csr_to_rows(ptr: np.ndarray, ids: np.ndarray, V: int, chunk: int = 512) -> np.ndarray:
+    """Expand the stored sets (:func:`rows_to_csr`) into int32[C, ceil(V/32)] bit rows in vLLM's layout
+    (bit i of word i // 32). Vectorized over chunks of ``chunk`` rows."""
+    H = _segments(V)
+    C = (int(ptr.shape[0]) - 1) // H
+    W = (V + 31) // 32
+    out = np.zeros((C, W * 4), dtype=np.uint8)
+    for a in range(0, C, chunk):
+        b = min(C, a + chunk)
+        lo, hi = int(ptr[a * H]), int(ptr[b * H])
+        dense = np.zeros((b - a, W * 32), dtype=bool)
+        seg = np.repeat(np.arange((b - a) * H), np.diff(np.asarray(ptr[a * H : b * H + 1])))
+        full = np.asarray(ids[lo:hi], dtype=np.int64) + ((seg % H) << 16)
+        dense[seg // H, full] = True
+        out[a:b] = np.packbits(dense, axis=1, bitorder="little")
+    return out.view("<i4")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,10 +299,13 @@ def _char_signature(c: str, ws_re, literal: bool) -> tuple:
 class _RepMapper:
     """Maps text to representative strings: one character per pre-tokenizer-relevant class, runs capped."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, contractions: bool = False):
         import regex
 
         self.kind = kind
+        # Whether the pre-tokenizer has contraction alternatives ('s, 'll, ...): then a token's first two
+        # letters may complete an apostrophe at the end of the previous token, so they stay literal too.
+        self.contractions = contractions
         self._ws = regex.compile(r"\s")
         self._rep_of_sig: dict[tuple, str] = {}
         self._cache: dict[str, str] = {}
@@ -262,7 +327,7 @@ class _RepMapper:
         """Representative string of ``s``: per-class characters, runs capped at ``_RUN_CAP``."""
         out: list[str] = []
         run = 0
-        since_apostrophe = 99
+        since_apostrophe = 0 if self.contractions else 99
         for c in s:
             since_apostrophe = 0 if c in "'\u2019" else since_apostrophe + 1
             r = self.char(c, since_apostrophe <= 2)
@@ -313,7 +378,10 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     W = (V + 31) // 32
     kind = info.kind
     byte_ids = set(info.byte_fallback.values())
-    mapper = _RepMapper(kind)
+    contractions = len(info.chunk_spans("'s")) != len(info.chunk_spans("'x")) or len(
+        info.chunk_spans("'ll")
+    ) != len(info.chunk_spans("'xx"))
+    mapper = _RepMapper(kind, contractions)
     steps = tqdm(total=5, desc="canonical filter", disable=not progress, unit="step")
 
     # 1. standalone canonicality, merge trees and spines ------------------------------------------
@@ -408,7 +476,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         for y, f, d in lspine[v]:
             ys.append(y), vs.append(v), ds.append(d), fs.append(f)
     ys = np.asarray(ys, dtype=np.int64)
-    vs = np.asarray(vs, dtype=np.int64)
+    vs = np.asarray(vs, dtype=np.int32)
     ds = np.asarray(ds, dtype=np.int64)
     fs = np.asarray(fs, dtype=np.int64)
     order = np.lexsort((-ds, ys))
@@ -461,7 +529,6 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     rows: list[np.ndarray] = []
     sets: list[np.ndarray] = []
     token_class = np.full(V, -1, dtype=np.int32)
-    n_banned = 0
     conflict = np.zeros(V, dtype=bool)
 
     def la_vector(ru: int, conflict_vec: np.ndarray) -> np.ndarray:
@@ -488,7 +555,6 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
             k = class_of_sig[sig] = len(rows)
             rows.append(packed)
             sets.append(lav)
-            n_banned += int(banned[ok].sum())
         token_class[u] = k
     steps.update()
 
@@ -502,10 +568,8 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
 
     C = len(rows)
     pad = W * 4
-    banned_rows = np.zeros((C, pad), dtype=np.uint8)
-    for k, r in enumerate(rows):
-        banned_rows[k, : r.size] = r
-    banned_rows = banned_rows.view("<i4")
+    banned_ptr, banned_ids = rows_to_csr(rows, V)
+    del rows
     start_row = np.zeros(pad, dtype=np.uint8)
     sp = np.packbits(start_allowed, bitorder="little")
     start_row[: sp.size] = sp
@@ -519,19 +583,21 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     for k, s in enumerate(sets):
         la_sets[k] = s
     la_sets[C] = start_lav
+    la_set_values, inverse = np.unique(la_sets, return_inverse=True)
+    la_set_index = inverse.reshape(la_sets.shape).astype(np.uint8 if la_set_values.size <= 256 else np.uint16)
+    del la_sets
     steps.update()
     steps.close()
     stats = dict(
         n_tokens=int(V),
         n_canonical_tokens=int(ok.sum()),
         n_rep_strings=R,
-        banned_pairs_class_level=int(n_banned),
         build_seconds=round(time.time() - t0, 2),
         n_spine_items=len(item_cache),
         spine_item_entries=int(sum(a.size for a in item_cache.values())),
     )
     return CanonicalFilter(
-        vocab_size=V, token_class=token_class, banned_rows=np.ascontiguousarray(banned_rows),
+        vocab_size=V, token_class=token_class, banned_ptr=banned_ptr, banned_ids=banned_ids,
         start_row=np.ascontiguousarray(start_row), la_first=la_first, la_rows=np.ascontiguousarray(la_rows),
-        la_token_index=la_token_index, la_sets=la_sets, stats=stats,
+        la_token_index=la_token_index, la_set_values=la_set_values, la_set_index=la_set_index, stats=stats,
     )
