@@ -248,6 +248,9 @@ def test_store_canonical_arrays_round_trip(tmp_path, mistral_v1_info):
         "la_token_index": rng.integers(-1, 4, V).astype(np.int32),
         "la_set_values": np.array([0, 5, 15], dtype=np.uint64),
         "la_set_index": rng.integers(0, 3, (6, 4)).astype(np.uint8),
+        "class_group": rng.integers(0, 2, 6).astype(np.int16),
+        "ctx_token_index": np.full(V, -1, dtype=np.int32),
+        "ctx_classes": np.zeros((0, 2), dtype=np.int32),
     }
     cf = CanonicalFilter.from_arrays(arrays, V, stats={"banned_pairs": 123})
     tiny = pynini.accep("a")

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from ..errors import FstBackendError, OutputDirError
+from .canonical import CANONICAL_VERSION
 from .store import FORMAT_VERSION, is_up_to_date, load_artifacts, save_artifacts
 
 DEFAULT_ROOT = Path("tokenizer_artifacts")
@@ -51,6 +52,8 @@ def default_options(canonical: bool = True) -> dict:
         "scripts": list(uf.SCRIPT_NAMES) if uf is not None else [],
         "utf8": uf is not None,
         "canonical": bool(canonical),
+        # the canonical filter's algorithm: artifacts built by another version are rebuilt
+        "canonical_version": CANONICAL_VERSION if canonical else None,
         "format_version": FORMAT_VERSION,
     }
 

@@ -64,6 +64,8 @@ import numpy as np
 from .tokenizer_info import SP_SPACE, TokenizerInfo
 
 INF = np.iinfo(np.int64).max
+# Bumped whenever the filter's arrays or their meaning change (the build compares it: see build.py).
+CANONICAL_VERSION = 3
 BANNED, SPLIT, JOIN = 0, 1, 2
 _RUN_CAP = 3
 _PARTIAL_REP = "\u4e2d"  # 中, class Lo: stands for a character split across tokens
@@ -94,8 +96,13 @@ class CanonicalFilter:
     * ``la_sets`` (property): uint64[C + 1, J] -- row k (row C = start state): bit c set ⇔ after class k
       and token j the next token may start with lookahead class c; bit L set ⇔ the text may end (END).
 
-    The canonical state is (k, S) with S a uint64 set over lookahead classes + END; see
-    :meth:`allowed_row` and :meth:`step`.
+    * ``class_group``: int16[C + 1] -- left-context group of each class (of its tokens' last character;
+      entry C = start state, group 0); ``ctx_token_index``: int32[V] (-1 or j) and ``ctx_classes``:
+      int32[J2, G] -- the class token j reaches after a class of group g (column 0 = ``token_class``).
+
+    The canonical state is (k, S) with S a uint64 set over lookahead classes + END; the class reached by
+    token v from class k is ``ctx_classes[ctx_token_index[v], class_group[k]]`` for context-dependent
+    tokens and ``token_class[v]`` otherwise; see :meth:`allowed_row`, :meth:`next_class`, :meth:`step`.
     """
 
     vocab_size: int
@@ -108,9 +115,13 @@ class CanonicalFilter:
     la_token_index: np.ndarray
     la_set_values: np.ndarray
     la_set_index: np.ndarray
+    class_group: np.ndarray
+    ctx_token_index: np.ndarray
+    ctx_classes: np.ndarray
     stats: dict = field(default_factory=dict)
 
-    ARRAY_NAMES = ("token_class", "banned_ptr", "banned_ids", "start_row", "la_first", "la_rows", "la_token_index", "la_set_values", "la_set_index")
+    ARRAY_NAMES = ("token_class", "banned_ptr", "banned_ids", "start_row", "la_first", "la_rows", "la_token_index", "la_set_values", "la_set_index",
+                   "class_group", "ctx_token_index", "ctx_classes")
     _dense: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -197,11 +208,24 @@ class CanonicalFilter:
         c = int(self.la_first[v])
         return c >= 0 and bool(S >> c & 1)
 
+    def next_class(self, k, v):
+        """Class reached by token(s) ``v`` (int or int array) from class(es) ``k`` (broadcast), using the
+        left-context table for context-dependent tokens (Tekken's punctuation runs). Vectorized."""
+        k = np.asarray(k)
+        v = np.asarray(v)
+        out = np.asarray(self.token_class)[v]
+        j = np.asarray(self.ctx_token_index)[v]
+        if np.any(j >= 0):
+            g = np.asarray(self.class_group)[k]
+            g = np.broadcast_to(g, np.broadcast(j, g).shape)
+            out = np.where(j >= 0, np.asarray(self.ctx_classes)[np.maximum(j, 0), g], out)
+        return out
+
     def step(self, k: int, v: int) -> tuple[int, int]:
         """The state (k', S') after reading token ``v`` from class ``k`` (no check; see is_allowed)."""
         j = int(self.la_token_index[v])
         S = int(self.la_set_values[self.la_set_index[k, j]]) if j >= 0 else self.all_set
-        return int(self.token_class[v]), S
+        return int(self.next_class(k, v)), S
 
     def accepts(self, ids) -> bool:
         """Whether the whole sequence ``ids`` is canonical according to the filter (ending at END)."""
@@ -382,7 +406,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         info.chunk_spans("'ll")
     ) != len(info.chunk_spans("'xx"))
     mapper = _RepMapper(kind, contractions)
-    steps = tqdm(total=5, desc="canonical filter", disable=not progress, unit="step")
+    steps = tqdm(total=6, desc="canonical filter", disable=not progress, unit="step")
 
     # 1. standalone canonicality, merge trees and spines ------------------------------------------
     ok = np.zeros(V, dtype=bool)
@@ -441,13 +465,15 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     ws_rep = sorted({int(tok_rep[t]) for t in np.flatnonzero(ws_final & ok)})
     ws_rep_pos = {r: i for i, r in enumerate(ws_rep)}
 
-    def category(a: str, b: str, look: str = "") -> int:
-        spans = info.chunk_spans(a + b + look)
-        la, lb = len(a), len(a) + len(b)
+    def category(a: str, b: str, look: str = "", pre: str = "") -> int:
+        """Chunk category of the junction of ``a``|``b`` in ``pre + a + b + look``."""
+        spans = info.chunk_spans(pre + a + b + look)
+        p = len(pre)
+        la, lb = p + len(a), p + len(a) + len(b)
         junction = False
         for s, e in spans:
             for x in (s, e):
-                if 0 < x < la or la < x < lb:
+                if p < x < la or la < x < lb:
                     return BANNED
                 if x == la:
                     junction = True
@@ -468,6 +494,39 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
             for c, ch in enumerate(la_chars):
                 cat_la[i, jj, c] = category(a, bb, ch)
             cat_la[i, jj, L] = cat[i, j]
+
+    # Left context: when u's whole text continues the chunk of the previous token's last character c
+    # (e.g. Tekken's greedy punctuation run "&" + "_" before "bar"), the u|v junction is judged with c
+    # in front. ctx_fix[(c, r)] = (cat row, cat_la row) for representative r, only where it differs.
+    last_rep: list[str | None] = [None] * V
+    for t in np.flatnonzero(ok):
+        last_rep[t] = reps[t][-1]
+    ctx_chars = sorted({last_rep[t] for t in np.flatnonzero(ok)})
+    ctx_fix: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+    # Screening probes: the distinct 2-character heads of all representatives (what follows the
+    # junction decides how the chunk that started before u ends); full rows only where a probe differs.
+    probes = sorted({r[:2] for r in rep_list} | set(la_chars))
+    for c in tqdm(ctx_chars, desc="left-context pairs", disable=not progress, leave=False):
+        for i, a in enumerate(rep_list):
+            if info.chunk_spans(c + a) != [(0, len(c) + len(a))]:
+                continue  # u does not continue c's chunk: the pairwise verdicts hold
+            if all(category(a, b, pre=c) == category(a, b) for b in probes):
+                continue
+            row = np.array([category(a, bb, pre=c) for bb in rep_list], dtype=np.uint8)
+            row_la = np.empty((len(ws_rep), L + 1), dtype=np.uint8)
+            for jj, j in enumerate(ws_rep):
+                for cc, ch in enumerate(la_chars):
+                    row_la[jj, cc] = category(a, rep_list[j], ch, pre=c)
+                row_la[jj, L] = row[j]
+            if not (np.array_equal(row, cat[i]) and np.array_equal(row_la, cat_la[i])):
+                ctx_fix[(c, i)] = (row, row_la)
+    # context groups: characters with the same fixes behave alike; group 0 = no fix (and START)
+    sig_of_char = {c: tuple(sorted((i, hashlib.blake2b(f[0].tobytes() + f[1].tobytes(), digest_size=8).digest())
+                                   for (cc, i), f in ctx_fix.items() if cc == c)) for c in ctx_chars}
+    group_ids: dict[tuple, int] = {(): 0}
+    char_group = {c: group_ids.setdefault(sig, len(group_ids)) for c, sig in sig_of_char.items()}
+    G = len(group_ids)
+    group_char = {g: c for c, g in char_group.items()}  # a representative character per group
     steps.update()
 
     # 3. left-spine index: for each token y, entries (v, death, formation) sorted by death desc ------
@@ -529,10 +588,12 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     rows: list[np.ndarray] = []
     sets: list[np.ndarray] = []
     token_class = np.full(V, -1, dtype=np.int32)
+    class_group: list[int] = []
+    ctx_variants: list[tuple[int, int, int]] = []
     conflict = np.zeros(V, dtype=bool)
 
-    def la_vector(ru: int, conflict_vec: np.ndarray) -> np.ndarray:
-        cats = cat_la[ru][ws_tok_rep_pos]  # [J, L+1]
+    def la_vector(ru: int, conflict_vec: np.ndarray, cat_la_row: np.ndarray | None = None) -> np.ndarray:
+        cats = (cat_la[ru] if cat_la_row is None else cat_la_row)[ws_tok_rep_pos]  # [J, L+1]
         okc = (cats == SPLIT) | ((cats == JOIN) & ~conflict_vec[ws_tokens][:, None])
         return (okc.astype(np.uint64) << c_range).sum(axis=1, dtype=np.uint64) if J else np.zeros(0, np.uint64)
 
@@ -543,19 +604,29 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
             if hit.size:
                 conflict[hit] = True
         ru = int(tok_rep[u])
-        cats = cat[ru][tok_rep_safe]
-        banned = (cats == BANNED) | ((cats == JOIN) & conflict) | not_ok
-        lav = la_vector(ru, conflict)
-        if J:
-            banned[ws_tokens] = lav == 0
-        packed = np.packbits(banned, bitorder="little")
-        sig = hashlib.blake2b(packed.tobytes() + lav.tobytes(), digest_size=16).digest()
-        k = class_of_sig.get(sig)
-        if k is None:
-            k = class_of_sig[sig] = len(rows)
-            rows.append(packed)
-            sets.append(lav)
-        token_class[u] = k
+        own_group = char_group[last_rep[u]]
+        variants = [(0, cat[ru], None)] + [
+            (g, *ctx_fix[(group_char[g], ru)]) for g in range(1, G) if (group_char[g], ru) in ctx_fix
+        ]
+        for g, cat_row, cat_la_row in variants:
+            cats = cat_row[tok_rep_safe]
+            banned = (cats == BANNED) | ((cats == JOIN) & conflict) | not_ok
+            lav = la_vector(ru, conflict, cat_la_row)
+            if J:
+                banned[ws_tokens] = lav == 0
+            packed = np.packbits(banned, bitorder="little")
+            sig = hashlib.blake2b(packed.tobytes() + lav.tobytes() + bytes([own_group % 256, own_group // 256]),
+                                  digest_size=16).digest()
+            k = class_of_sig.get(sig)
+            if k is None:
+                k = class_of_sig[sig] = len(rows)
+                rows.append(packed)
+                sets.append(lav)
+                class_group.append(own_group)
+            if g == 0:
+                token_class[u] = k
+            else:
+                ctx_variants.append((u, g, k))
     steps.update()
 
     # start state
@@ -583,6 +654,13 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     for k, s in enumerate(sets):
         la_sets[k] = s
     la_sets[C] = start_lav
+    ctx_token_index = np.full(V, -1, dtype=np.int32)
+    ctx_tokens = sorted({u for u, _, _ in ctx_variants})
+    ctx_token_index[ctx_tokens] = np.arange(len(ctx_tokens), dtype=np.int32)
+    ctx_classes = np.repeat(token_class[ctx_tokens][:, None], G, axis=1).astype(np.int32)
+    for u, g, k in ctx_variants:
+        ctx_classes[ctx_token_index[u], g] = k
+    class_group_arr = np.array(class_group + [0], dtype=np.int16)  # last entry: the start state
     la_set_values, inverse = np.unique(la_sets, return_inverse=True)
     la_set_index = inverse.reshape(la_sets.shape).astype(np.uint8 if la_set_values.size <= 256 else np.uint16)
     del la_sets
@@ -593,11 +671,14 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         n_canonical_tokens=int(ok.sum()),
         n_rep_strings=R,
         build_seconds=round(time.time() - t0, 2),
+        n_context_groups=G,
+        n_context_tokens=len(ctx_tokens),
         n_spine_items=len(item_cache),
         spine_item_entries=int(sum(a.size for a in item_cache.values())),
     )
     return CanonicalFilter(
         vocab_size=V, token_class=token_class, banned_ptr=banned_ptr, banned_ids=banned_ids,
         start_row=np.ascontiguousarray(start_row), la_first=la_first, la_rows=np.ascontiguousarray(la_rows),
-        la_token_index=la_token_index, la_set_values=la_set_values, la_set_index=la_set_index, stats=stats,
+        la_token_index=la_token_index, la_set_values=la_set_values, la_set_index=la_set_index,
+        class_group=class_group_arr, ctx_token_index=ctx_token_index, ctx_classes=ctx_classes, stats=stats,
     )

@@ -1,0 +1,623 @@
+"""Unit tests of ``vllm_fst_backend.vllm_plugin`` without a server.
+
+The compiler and the runtime matcher are replaced by small fakes (``plugin.compile_function`` /
+``plugin.matcher_factory`` hooks and a monkeypatched ``get_tokenizer_context``), so these tests do
+not depend on the artifacts/compiler/runtime stages; the end-to-end tests exercise the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_fst_backend import vllm_plugin as plugin  # noqa: E402
+from vllm_fst_backend.errors import ArtifactError, InvalidOptionError, RegexSyntaxError  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not plugin.VLLM_VERSION_OK, reason="needs vLLM 0.32.x")
+
+V = 40  # fake vocabulary: token t < 26 spells chr(ord('a') + t); 39 = EOS
+EOS = 39
+
+
+# ------------------------------------------------------------------------------------------------
+# Fakes of the later pipeline stages
+# ------------------------------------------------------------------------------------------------
+
+
+class FakeCompiled:
+    """A DFA over token ids. Literal ``[a-z]+`` regexes -> a chain; anything else -> any letter, any length."""
+
+    def __init__(self, regex: str):
+        self.regex = regex
+        if re.fullmatch(r"[a-z]+", regex):
+            self.chain = [ord(c) - ord("a") for c in regex]
+        else:
+            self.chain = None
+
+    def allowed(self, state: int) -> set[int]:
+        if self.chain is None:
+            return set(range(26)) | {EOS}
+        if state < len(self.chain):
+            return {self.chain[state]}
+        return {EOS}
+
+    def next_state(self, state: int, token: int) -> int:
+        if token not in self.allowed(state):
+            return -1
+        if token == EOS:
+            return -2  # terminated
+        return state + 1 if self.chain is not None else state
+
+
+class FakeMatcher:
+    def __init__(self, compiled: FakeCompiled):
+        self.c = compiled
+        self.history = [0]
+
+    @property
+    def state(self):
+        return self.history[-1]
+
+    def accept_tokens(self, request_id, tokens):
+        for t in tokens:
+            if self.state == -2:
+                return False
+            n = self.c.next_state(self.state, t)
+            if n == -1:
+                return False
+            self.history.append(n)
+        return True
+
+    def validate_tokens(self, tokens):
+        s, ok = self.state, []
+        for t in tokens:
+            if s == -2:
+                break
+            n = self.c.next_state(s, t)
+            if n == -1:
+                break
+            ok.append(t)
+            s = n
+        return ok
+
+    def rollback(self, n):
+        del self.history[len(self.history) - n :]
+
+    def fill_bitmask(self, bitmask, idx):
+        W = (V + 31) // 32
+        bits = [0] * W
+        for t in self.c.allowed(self.state):
+            bits[t // 32] |= 1 << (t % 32)
+        bitmask[idx, :W] = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32)
+
+    def is_terminated(self):
+        return self.state == -2
+
+    def reset(self):
+        self.history = [0]
+
+    def forced_tokens(self, max_n):
+        out, s = [], self.state
+        while len(out) < max_n and s >= 0:
+            a = self.c.allowed(s)
+            if len(a) != 1:
+                break
+            (t,) = a
+            out.append(t)
+            s = self.c.next_state(s, t)
+        return out
+
+
+class FakeArtifacts:
+    vocab_size = V
+    eos_ids = (EOS,)
+
+
+COMPILE_CALLS: list[tuple[str, plugin.FstRequestOptions]] = []
+
+
+def fake_compile(regex, artifacts, options):
+    COMPILE_CALLS.append((regex, options))
+    if regex.count("(") != regex.count(")"):
+        raise RegexSyntaxError("unbalanced parenthesis", position=0)
+    return FakeCompiled(regex)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    plugin.register()
+    yield
+    plugin.unregister()
+
+
+@pytest.fixture
+def fake_stages(monkeypatch):
+    ctx = plugin.TokenizerContext(FakeArtifacts(), tokenizer_path="fake-tokenizer")
+    monkeypatch.setattr(plugin, "compile_function", fake_compile)
+    monkeypatch.setattr(plugin, "matcher_factory", FakeMatcher)
+    monkeypatch.setattr(plugin, "get_tokenizer_context", lambda model_config: ctx)
+    COMPILE_CALLS.clear()
+    return ctx
+
+
+def bits(row) -> set[int]:
+    out = set()
+    for w, v in enumerate(row.tolist()):
+        v &= 0xFFFFFFFF
+        for b in range(32):
+            if v >> b & 1:
+                out.add(32 * w + b)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Registration
+# ------------------------------------------------------------------------------------------------
+
+
+def test_register_is_idempotent():
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    before = (SamplingParams._validate_structured_outputs, StructuredOutputManager._create_grammar)
+    plugin.register()
+    plugin.register()
+    after = (SamplingParams._validate_structured_outputs, StructuredOutputManager._create_grammar)
+    assert before == after
+    for f in after:
+        assert f.__fst_wrapped__ and not getattr(f.__fst_original__, "__fst_wrapped__", False)
+    assert plugin.is_registered()
+
+
+def test_config_accepts_fst_and_still_rejects_unknown():
+    from pydantic import TypeAdapter, ValidationError
+    from vllm.config.structured_outputs import StructuredOutputsConfig
+
+    assert StructuredOutputsConfig(backend="fst").backend == "fst"
+    assert TypeAdapter(StructuredOutputsConfig).validate_json('{"backend": "fst"}').backend == "fst"
+    for other in ("auto", "xgrammar", "guidance", "outlines"):
+        assert StructuredOutputsConfig(backend=other).backend == other
+    with pytest.raises(ValidationError):
+        StructuredOutputsConfig(backend="fsx")
+
+
+def test_cli_flag_parses():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "m", "--structured-outputs-config.backend", "fst"])
+    assert args.structured_outputs_config.backend == "fst"
+
+
+def test_wrong_vllm_version_registers_nothing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(plugin, "VLLM_VERSION_OK", False)
+    monkeypatch.setattr(plugin, "VLLM_VERSION", "0.99.0")
+    monkeypatch.setattr(plugin, "_REGISTERED", False)
+    monkeypatch.setattr(plugin, "_patch_config_literal", lambda: calls.append("patched"))
+    fake_logger = types.SimpleNamespace(error=lambda msg, *a: calls.append(msg % a))
+    monkeypatch.setattr(plugin, "logger", fake_logger)
+    plugin.register()
+    assert len(calls) == 1 and "0.32" in calls[0] and "0.99.0" in calls[0] and "NOT registered" in calls[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Options
+# ------------------------------------------------------------------------------------------------
+
+
+def test_option_defaults_and_parsing():
+    o = plugin.parse_request_options(None)
+    assert o == plugin.FstRequestOptions(canonical=True, scripts=None, jump=False, allow_ascii_bytes=False)
+    o = plugin.parse_request_options(
+        {"fst_canonical": "false", "fst_jump": 1, "fst_allow_ascii_bytes": "yes", "fst_scripts": "Latin, greek", "x": 1}
+    )
+    assert o == plugin.FstRequestOptions(canonical=False, scripts=("greek", "latin"), jump=True, allow_ascii_bytes=True)
+    assert plugin.parse_request_options({"fst_scripts": ["cyrillic"]}).scripts == ("cyrillic",)
+    assert plugin.parse_request_options({"fst_scripts": ""}).scripts is None
+    assert plugin.parse_request_options({"kv_transfer_params": {"a": 1}}) == plugin.FstRequestOptions()
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"fst_canonicl": True}, "fst_canonicl"),
+        ({"fst_canonical": "maybe"}, "fst_canonical"),
+        ({"fst_jump": 2}, "fst_jump"),
+        ({"fst_scripts": 3}, "fst_scripts"),
+        ({"fst_scripts": ["klingon"]}, "klingon"),
+    ],
+)
+def test_bad_options(extra, needle):
+    with pytest.raises(InvalidOptionError, match=needle):
+        plugin.parse_request_options(extra)
+
+
+# ------------------------------------------------------------------------------------------------
+# Constraints -> regex
+# ------------------------------------------------------------------------------------------------
+
+
+def test_choice_regex_escapes():
+    choices = ["Paris", "a.b", "x|y", "(1+1)*2", "new\nline", "a b-c#d"]
+    rx = plugin.choice_to_regex(choices)
+    for c in choices:
+        assert re.fullmatch(rx, c)
+    assert not re.fullmatch(rx, "aXb")
+    assert plugin.constraint_to_regex("CHOICE", json.dumps(["a", "b"])) == "(a|b)"
+
+
+def test_json_schema_regex():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rx = plugin.json_schema_to_regex(json.dumps(schema))
+    assert re.fullmatch(rx, '{"a": 12}') and not re.fullmatch(rx, '{"a": "x"}')
+    assert plugin.constraint_to_regex("JSON", schema) == rx
+    assert re.fullmatch(plugin.constraint_to_regex("JSON_OBJECT", None), '{"k": [1, 2]}')
+    with pytest.raises(plugin.InvalidConstraintError, match="not valid JSON"):
+        plugin.json_schema_to_regex("{bad")
+    with pytest.raises(plugin.InvalidConstraintError, match="regex"):
+        plugin.json_schema_to_regex('{"type": "strin"}')
+
+
+@pytest.mark.parametrize("kind", ["GRAMMAR", "STRUCTURAL_TAG"])
+def test_unsupported_kinds_name_what_is_supported(kind):
+    with pytest.raises(plugin.InvalidConstraintError, match="supports: regex, choice, json"):
+        plugin.constraint_to_regex(kind, "root ::= 'a'")
+
+
+# ------------------------------------------------------------------------------------------------
+# Request validation (SamplingParams) -> VLLMValidationError (HTTP 400)
+# ------------------------------------------------------------------------------------------------
+
+
+def _validate(backend, extra_args=None, **so):
+    from vllm.config.structured_outputs import StructuredOutputsConfig
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(**so) if so else None, extra_args=extra_args)
+    sp._validate_structured_outputs(
+        types.SimpleNamespace(is_diffusion=False), StructuredOutputsConfig(backend=backend), object()
+    )
+    return sp
+
+
+def test_validation_keeps_fst_and_compiles(fake_stages):
+    sp = _validate("fst", {"fst_canonical": False}, regex="abc")
+    assert sp.structured_outputs._backend == "fst"
+    assert COMPILE_CALLS == [("abc", plugin.FstRequestOptions(canonical=False))]
+    _validate("fst", None, regex="abc")  # other options -> other cache key
+    _validate("fst", {"fst_canonical": "0"}, regex="abc")  # cache hit
+    assert len(COMPILE_CALLS) == 2
+    assert _validate("fst", None, json_object=True).structured_outputs._backend == "fst"
+    assert _validate("fst", None, choice=["x", "y"]).structured_outputs._backend == "fst"
+
+
+def test_validation_errors_are_400(fake_stages):
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="unbalanced") as e:
+        _validate("fst", None, regex="(ab")
+    assert e.value.parameter == "structured_outputs"
+    with pytest.raises(VLLMValidationError, match="fst_bogus") as e:
+        _validate("fst", {"fst_bogus": 1}, regex="ab")
+    assert e.value.parameter == "vllm_xargs"
+    with pytest.raises(VLLMValidationError, match="grammar is not supported"):
+        _validate("fst", None, grammar="root ::= 'a'")
+    with pytest.raises(VLLMValidationError, match="JSON"):
+        _validate("fst", None, json="{not json")
+    # vLLM's own generic checks still run for fst
+    with pytest.raises(VLLMValidationError, match="empty list"):
+        _validate("fst", None, choice=[])
+    with pytest.raises(VLLMValidationError, match="NUL"):
+        _validate("fst", None, regex="a\x00")
+    # options are checked even without a constraint
+    with pytest.raises(VLLMValidationError, match="fst_scriptz"):
+        _validate("fst", {"fst_scriptz": "latin"})
+
+
+def test_validation_other_backends_untouched(fake_stages):
+    sp = _validate("auto", None, regex="[a-z]+")
+    assert sp.structured_outputs._backend == "xgrammar"
+    assert COMPILE_CALLS == []
+    _validate("xgrammar", {"fst_bogus": 1}, regex="[a-z]+")  # fst options are not ours to check here
+
+
+def test_artifact_error_is_not_a_400(monkeypatch):
+    def boom(model_config):
+        raise ArtifactError("no artifacts; build with python scripts/build_tokenizer_artifacts.py ...")
+
+    monkeypatch.setattr(plugin, "get_tokenizer_context", boom)
+    from vllm.exceptions import VLLMServerError, VLLMValidationError
+
+    with pytest.raises(VLLMServerError, match="build_tokenizer_artifacts") as e:
+        _validate("fst", None, regex="ab")
+    assert not isinstance(e.value, VLLMValidationError)
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine side: manager dispatch, backend, grammar adapter
+# ------------------------------------------------------------------------------------------------
+
+
+def _vllm_config(backend="fst", k=0):
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(tokenizer="fake", get_vocab_size=lambda: 64, skip_tokenizer_init=False),
+        structured_outputs_config=types.SimpleNamespace(backend=backend, reasoning_parser="", enable_in_reasoning=False),
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=k, model=None) if k else None,
+    )
+
+
+def _engine_request(request_id="r1", extra_args=None, stop_token_ids=None, **so):
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.structured_output.request import StructuredOutputRequest
+
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(**so), extra_args=extra_args)
+    sp.structured_outputs._backend = "fst"
+    sp._all_stop_token_ids = set(stop_token_ids or {EOS})
+    return types.SimpleNamespace(
+        request_id=request_id,
+        sampling_params=sp,
+        structured_output_request=StructuredOutputRequest.from_sampling_params(sp),
+    )
+
+
+def test_manager_creates_fst_backend_and_routes_options(fake_stages):
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    mgr = object.__new__(StructuredOutputManager)
+    mgr.backend = None
+    mgr.vllm_config = _vllm_config()
+    mgr.tokenizer = None
+    mgr._use_async_grammar_compilation = False
+    req = _engine_request(regex="ab", extra_args={"fst_allow_ascii_bytes": True})
+    mgr.grammar_init(req)
+    assert isinstance(mgr.backend, plugin.FstBackend)
+    grammar = req.structured_output_request.grammar
+    assert isinstance(grammar, plugin.FstGrammar)
+    assert COMPILE_CALLS[-1] == ("ab", plugin.FstRequestOptions(allow_ascii_bytes=True))
+    mask = mgr.backend.allocate_token_bitmask(2)
+    assert mask.shape == (2, 2) and mask.dtype == torch.int32
+
+
+def test_grammar_adapter(fake_stages):
+    backend = plugin.FstBackend(_vllm_config(), tokenizer=None, vocab_size=70)  # 3 words > tokenizer's 2
+    g = backend.compile_request("REGEX", "abc", stop_token_ids={EOS, 33}, request_id="r")
+    mask = backend.allocate_token_bitmask(1)
+    g.fill_bitmask(mask, 0)
+    assert bits(mask[0]) == {0}  # padding words cleared, stop token 33 not yet allowed
+    assert g.validate_tokens([0, 1, 5]) == [0, 1]
+    assert g.accept_tokens("r", [0, 1]) and g.num_forced == 2
+    g.rollback(1)
+    assert g.num_forced == 1
+    assert g.accept_tokens("r", [1, 2])
+    g.fill_bitmask(mask, 0)
+    assert bits(mask[0]) == {EOS, 33}  # accepting: EOS and the extra stop token
+    assert g.validate_tokens([33]) == [33]
+    assert g.accept_tokens("r", [33]) and g.is_terminated()  # stop token acts as EOS
+    assert not g.accept_tokens("r", [0]) or g.is_terminated()
+    g.reset()
+    assert not g.is_terminated() and g.num_forced == 0
+
+
+def test_compile_grammar_abc_entry_point(fake_stages):
+    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+
+    backend = plugin.FstBackend(_vllm_config(), tokenizer=None, vocab_size=64)
+    g = backend.compile_grammar(StructuredOutputOptions.CHOICE, json.dumps(["ab", "cd"]))
+    assert COMPILE_CALLS[-1] == ("(ab|cd)", plugin.FstRequestOptions())
+    with pytest.raises(plugin.InvalidConstraintError):
+        backend.compile_grammar(StructuredOutputOptions.GRAMMAR, "root ::= 'a'")
+    assert isinstance(g, plugin.FstGrammar)
+
+
+def test_compile_cache_is_shared_and_failures_not_cached(fake_stages):
+    ctx = fake_stages
+    a = ctx.compile("ab", plugin.FstRequestOptions())
+    b = ctx.compile("ab", plugin.FstRequestOptions())
+    assert not a.cache_hit and b.cache_hit and a.compiled is b.compiled
+    for _ in range(2):
+        with pytest.raises(RegexSyntaxError):
+            ctx.compile("((", plugin.FstRequestOptions())
+    assert [c[0] for c in COMPILE_CALLS].count("((") == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Legacy guided_* fields
+# ------------------------------------------------------------------------------------------------
+
+
+def _chat(**kw):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_legacy_guided_fields(monkeypatch):
+    monkeypatch.setenv("VLLM_FST_LEGACY_GUIDED", "auto")
+    monkeypatch.setitem(plugin._SERVED, "backend", "fst")
+    assert _chat(guided_regex="a+").extract_structured_outputs().regex == "a+"
+    assert _chat(guided_choice=["x", "y"]).extract_structured_outputs().choice == ["x", "y"]
+    so = _chat(guided_json={"type": "object"}, guided_whitespace_pattern=" ?").extract_structured_outputs()
+    assert so.json == {"type": "object"} and so.whitespace_pattern == " ?"
+    # structured_outputs wins over legacy fields
+    assert _chat(guided_regex="a+", structured_outputs={"regex": "b"}).extract_structured_outputs().regex == "b"
+    assert _chat().extract_structured_outputs() is None
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError):
+        _chat(guided_regex="a", guided_choice=["a"]).extract_structured_outputs()
+    sp = _chat(guided_regex="a+").to_sampling_params(16, {})
+    assert sp.structured_outputs.regex == "a+"
+
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    assert CompletionRequest(model="m", prompt="p", guided_regex="z").extract_structured_outputs().regex == "z"
+
+
+def test_legacy_guided_only_for_fst_unless_forced(monkeypatch):
+    monkeypatch.setitem(plugin._SERVED, "backend", "xgrammar")
+    monkeypatch.setenv("VLLM_FST_LEGACY_GUIDED", "auto")
+    assert _chat(guided_regex="a+").extract_structured_outputs() is None
+    monkeypatch.setenv("VLLM_FST_LEGACY_GUIDED", "1")
+    assert _chat(guided_regex="a+").extract_structured_outputs().regex == "a+"
+    monkeypatch.setitem(plugin._SERVED, "backend", "fst")
+    monkeypatch.setenv("VLLM_FST_LEGACY_GUIDED", "0")
+    assert _chat(guided_regex="a+").extract_structured_outputs() is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Forced-token proposer
+# ------------------------------------------------------------------------------------------------
+
+
+class _Runner:  # weak-referenceable, like the real model runner
+    def __init__(self, reqs):
+        self.input_batch = types.SimpleNamespace(req_ids=[r for r, _ in reqs])
+        self.requests = {r: s for r, s in reqs}
+
+
+def _runner(reqs):
+    return _Runner(reqs)
+
+
+def _req_state(extra_args, output, **so):
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    return types.SimpleNamespace(
+        sampling_params=SamplingParams(
+            structured_outputs=StructuredOutputsParams(**so) if so else None, extra_args=extra_args
+        ),
+        output_token_ids=list(output),
+    )
+
+
+def _wait(prop, rid):
+    prop._executor.submit(lambda: None).result(timeout=10)  # warm-up and compiles done
+    st = prop._states[rid]
+    if st.future is not None:
+        st.future.result(timeout=10)
+
+
+def test_proposer_proposes_forced_chain_only_with_fst_jump(fake_stages):
+    cfg = _vllm_config(k=3)
+    prop = plugin.FstForcedTokenProposer(cfg)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert GPUModelRunner.propose_draft_token_ids.__fst_wrapped__
+    jump = _req_state({"fst_jump": True}, [0], regex="abcdef")
+    nojump = _req_state(None, [0], regex="abcdef")
+    free = _req_state({"fst_jump": True}, [7])
+    runner = _runner([("j", jump), ("n", nojump), ("f", free)])
+    assert prop.propose([[0], [0], [7]]) == [[], [], []]  # not bound to a runner yet
+    prop.bind_runner(runner)
+    first = prop.propose([[0], [0], [7]])
+    assert first[1:] == [[], []]
+    _wait(prop, "j")
+    # output so far "a" -> forced "bcd" (k=3)
+    assert prop.propose([[0], [0], [7]])[0] == [1, 2, 3]
+    jump.output_token_ids += [1, 2, 3, 4]  # accepted drafts + bonus
+    assert prop.propose([[1, 2, 3, 4], [0], [7]])[0] == [5]  # chain stops before EOS
+    jump.output_token_ids += [5]
+    assert prop.propose([[5], [0], [7]])[0] == []  # only EOS left
+    # a row whose sampled list is empty (e.g. a partial prefill) gets no draft
+    assert prop.propose([[], [0], [7]])[0] == []
+
+
+def test_proposer_disables_itself_on_divergence(fake_stages):
+    prop = plugin.FstForcedTokenProposer(_vllm_config(k=2))
+    st = _req_state({"fst_jump": True}, [0], regex="abc")
+    runner = _runner([("x", st)])  # the proposer holds the runner weakly
+    prop.bind_runner(runner)
+    prop.propose([[0]])
+    _wait(prop, "x")
+    st.output_token_ids.append(9)  # not what the automaton allows
+    assert prop.propose([[9]]) == [[]]
+    assert prop._states["x"].disabled
+
+
+def test_proposer_off_with_other_backend_or_reasoning(fake_stages):
+    cfg = _vllm_config(backend="xgrammar", k=2)
+    assert not plugin.FstForcedTokenProposer(cfg).enabled
+    cfg = _vllm_config(k=2)
+    cfg.structured_outputs_config.reasoning_parser = "deepseek_r1"
+    assert not plugin.FstForcedTokenProposer(cfg).enabled
+
+
+# ------------------------------------------------------------------------------------------------
+# Artifacts location
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tokenizer_name(tmp_path):
+    d = tmp_path / "SmolLM2-135M-Instruct"
+    d.mkdir()
+    assert plugin.tokenizer_name(d) == "SmolLM2-135M-Instruct"
+    f = tmp_path / "tekken_240911.json"
+    f.write_text("{}")
+    assert plugin.tokenizer_name(f) == "tekken_240911"
+    f2 = d / "tokenizer.model.v1"
+    f2.write_text("")
+    assert plugin.tokenizer_name(f2) == "tokenizer_model_v1"
+    f3 = d / "tokenizer.json"
+    f3.write_text("{}")
+    assert plugin.tokenizer_name(f3) == "SmolLM2-135M-Instruct"
+    assert plugin.tokenizer_name("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB--SmolLM2-135M"
+
+
+def test_artifacts_dir_resolution(tmp_path, monkeypatch):
+    tok = tmp_path / "mytok"
+    tok.mkdir()
+    monkeypatch.delenv("VLLM_FST_ARTIFACTS_DIR", raising=False)
+    assert plugin.resolve_artifacts_dir(tok).name == "mytok"
+    direct = tmp_path / "direct"
+    direct.mkdir()
+    (direct / "manifest.json").write_text("{}")
+    monkeypatch.setenv("VLLM_FST_ARTIFACTS_DIR", str(direct))
+    assert plugin.resolve_artifacts_dir(tok) == direct
+    root = tmp_path / "root"
+    (root / "other").mkdir(parents=True)
+    monkeypatch.setenv("VLLM_FST_ARTIFACTS_DIR", str(root))
+    assert plugin.resolve_artifacts_dir(tok) == root / "mytok"
+
+
+def test_missing_artifacts_without_auto_build_names_the_command(tmp_path):
+    out = tmp_path / "arts"
+    with pytest.raises(ArtifactError) as e:
+        plugin.load_or_build_artifacts(str(tmp_path / "tok"), out, auto_build=False)
+    msg = str(e.value)
+    assert f"python scripts/build_tokenizer_artifacts.py --tokenizer {tmp_path / 'tok'} --out {out}" in msg
+
+
+def test_metrics_counters_do_not_break():
+    plugin._metric_inc("forced_tokens", 3)
+    plugin._metric_inc("forced_tokens", 1)
+    c = plugin._METRICS["forced_tokens"]
+    if hasattr(c, "_value"):
+        assert c._value.get() >= 4
+
+
+def test_timing_budget():
+    t0 = time.monotonic()
+    plugin.parse_request_options({"fst_scripts": "latin,greek", "fst_jump": "true"})
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_cache_is_bounded_in_bytes(monkeypatch):
+    class Blob:
+        nbytes = 100
+
+    monkeypatch.setattr(plugin, "compile_function", lambda regex, artifacts, options: Blob())
+    ctx = plugin.TokenizerContext(FakeArtifacts(), cache_bytes=250)
+    for rx in ("a", "b", "c"):
+        assert not ctx.compile(rx, plugin.FstRequestOptions()).cache_hit
+    assert ctx.nbytes == 200
+    assert ctx.compile("c", plugin.FstRequestOptions()).cache_hit
+    assert not ctx.compile("a", plugin.FstRequestOptions()).cache_hit  # evicted (least recently used)
