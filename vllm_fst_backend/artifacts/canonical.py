@@ -46,7 +46,14 @@ A pre-tokenizer never splits inside a character. So when the u|v junction falls 
 the junction is not a chunk boundary and the verdict is the merge rule alone; a partial character is
 represented by a letter of class Lo when computing chunk boundaries elsewhere in u+v. Joined bytes that
 are invalid UTF-8 in any other way never reach the output (the UTF-8 filter removes them), and get the
-same definition. SentencePiece byte-fallback tokens never merge (they stand for characters outside the
+same definition. Known limitation: the representative of a split character is a letter (class Lo), which is what most
+split characters are for the byte-level vocabularies (rare CJK). For Tekken, whose regex makes symbols
+(emoji, box drawing) *punctuation*, a token ending inside such a character followed by a token that
+continues the same punctuation chunk gets the wrong left context, and the filter refuses that
+(canonical) sequence: measured on real code with emoji escapes, tests/test_canonical.py. Token sequences
+that the filter accepts are still canonical (the random walks).
+
+SentencePiece byte-fallback tokens never merge (they stand for characters outside the
 vocabulary), so they are never in conflict; which bytes may use them is decided by the detokenizer's
 "canonical" byte policy.
 """
