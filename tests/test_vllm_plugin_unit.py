@@ -340,6 +340,14 @@ def test_artifact_error_is_not_a_400(monkeypatch):
     with pytest.raises(VLLMServerError, match="build_tokenizer_artifacts") as e:
         _validate("fst", None, regex="ab")
     assert not isinstance(e.value, VLLMValidationError)
+    # AsyncLLM.generate re-raises a plain VLLMServerError as EngineGenerateError() (empty message);
+    # a GracefulHTTPError passes through and keeps its message and status.
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import GracefulHTTPError
+
+    assert isinstance(e.value, GracefulHTTPError)
+    err = create_error_response(e.value)
+    assert err.error.code == 500 and "build_tokenizer_artifacts" in err.error.message
 
 
 # ------------------------------------------------------------------------------------------------
@@ -621,3 +629,14 @@ def test_cache_is_bounded_in_bytes(monkeypatch):
     assert ctx.nbytes == 200
     assert ctx.compile("c", plugin.FstRequestOptions()).cache_hit
     assert not ctx.compile("a", plugin.FstRequestOptions()).cache_hit  # evicted (least recently used)
+
+
+def test_unenforced_schema_keywords_are_refused():
+    from vllm_fst_backend import vllm_plugin as vp
+
+    schema = {"type": "object", "properties": {"maximum": {"type": "integer", "multipleOf": 5}},
+              "$defs": {"x": {"type": "array", "uniqueItems": True}}, "default": {"minimum": 1}}
+    assert vp._unenforced_keywords(schema) == {"multipleOf", "uniqueItems"}  # "maximum" is a property name
+    with pytest.raises(vp.InvalidConstraintError, match="multipleOf, uniqueItems"):
+        vp.json_schema_to_regex(schema)
+    assert vp.json_schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}}})

@@ -127,8 +127,10 @@ accept_tokens) -> take_draft_token_ids -> StructuredOutputManager.validate_token
 Measured on the CPU server (SmolLM2-135M, 2 cores): three processes (``APIServer``, ``EngineCore``,
 ``Worker`` pids in the log); bad regex / grammar / unknown ``fst_*`` option / bad option value -> 400 in
 ~15 ms; legacy ``guided_regex`` constrained; ``fst_jump`` drafts proposed by the worker and all
-accepted (``vllm:spec_decode_num_accepted_tokens_total``). A non-``VLLMError`` exception in the request
-path is a 500 with an *empty* message, hence ``FstServerError(VLLMServerError)`` for server-side
+accepted (``vllm:spec_decode_num_accepted_tokens_total``). Any exception in the request path other than
+a ``VLLMClientError`` or ``GracefulHTTPError`` -- ``VLLMServerError`` included -- is re-raised by
+``AsyncLLM.generate`` as ``EngineGenerateError()``: a 500 with an *empty* message; hence
+``FstServerError(GracefulHTTPError, VLLMServerError)`` (a 500 that keeps its message) for server-side
 problems (missing/corrupt artifacts, missing pipeline stage) found at validation.
 
 Caveats: (a) ``InputProcessor.process_inputs`` runs on the API server's event loop for chat requests
@@ -384,11 +386,48 @@ def json_schema_to_regex(schema: str | dict, whitespace_pattern: str | None = No
         parsed = schema
     if not isinstance(parsed, (dict, bool)):
         raise InvalidConstraintError("invalid JSON schema: must be a JSON object")
+    unenforced = sorted(_unenforced_keywords(parsed))
+    if unenforced:
+        raise InvalidConstraintError(
+            f"JSON schema keywords {', '.join(unenforced)} cannot be enforced by the fst backend (its "
+            "schema-to-regex conversion would silently ignore them); remove them or express the bound "
+            "as a regex (structured_outputs.regex)"
+        )
     text = json.dumps(parsed, sort_keys=True)
     try:
         return _schema_regex_cached(text, whitespace_pattern)
     except Exception as e:
         raise InvalidConstraintError(f"cannot turn the JSON schema into a regex: {e}") from None
+
+
+# Keywords outlines_core's build_regex_from_schema accepts but does not enforce (measured: an integer
+# with "maximum": 150 gave 31050). A schema using them gets HTTP 400 instead of weaker output.
+UNENFORCED_SCHEMA_KEYWORDS = frozenset(
+    {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems"}
+)
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_SCHEMA_DATA = frozenset({"default", "const", "enum", "examples", "description", "title", "$comment"})
+
+
+def _unenforced_keywords(schema: Any) -> set[str]:
+    """Names of :data:`UNENFORCED_SCHEMA_KEYWORDS` used anywhere in ``schema`` (property names and data
+    values such as ``default``/``enum`` are not keywords and are skipped)."""
+    found: set[str] = set()
+    if isinstance(schema, list):
+        for item in schema:
+            found |= _unenforced_keywords(item)
+    elif isinstance(schema, dict):
+        for key, value in schema.items():
+            if key in _SCHEMA_DATA:
+                continue
+            if key in UNENFORCED_SCHEMA_KEYWORDS:
+                found.add(key)
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                for sub in value.values():
+                    found |= _unenforced_keywords(sub)
+            elif isinstance(value, (dict, list)):
+                found |= _unenforced_keywords(value)
+    return found
 
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -1031,11 +1070,16 @@ class _ConfigProxy:
 
 
 def _server_error(message: str) -> Exception:
-    """A 5xx error whose message reaches the client (vLLM's handler maps ``VLLMServerError`` to 500
-    with ``str(exc)``; an arbitrary exception would be a 500 with an empty message)."""
-    from vllm.exceptions import VLLMServerError
+    """A 500 error whose message reaches the client. A plain ``VLLMServerError`` raised in the request
+    path is re-raised by ``AsyncLLM.generate`` as ``EngineGenerateError()`` -- a 500 with an *empty*
+    message (measured); ``GracefulHTTPError`` passes through unchanged and ``create_error_response``
+    answers with its ``http_status`` and ``str(exc)``. Still a ``VLLMServerError`` (not a 400)."""
+    from http import HTTPStatus
 
-    return type("FstServerError", (VLLMServerError,), {})(message)
+    from vllm.exceptions import GracefulHTTPError, VLLMServerError
+
+    cls = type("FstServerError", (GracefulHTTPError, VLLMServerError), {})
+    return cls(message, HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 def _validation_error(message: str, parameter: str | None = None) -> Exception:
