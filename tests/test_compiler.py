@@ -1,0 +1,382 @@
+"""The regex compiler on the real SmolLM2 (byte-level BPE) and Mistral v1 (SentencePiece) tokenizers.
+
+Properties on random regexes (literals incl. non-ASCII, classes incl. negated ones, alternation,
+bounded repetition, optional) -- hypothesis, few examples by default (``HYPOTHESIS_PROFILE=thorough``
+for more):
+
+1. every token sequence accepted to completion (random walks over allowed tokens) decodes to a string
+   that ``re.fullmatch``-es;
+2. canonical mode: that sequence is exactly the tokenizer's encoding of the string;
+3. strings that match: their canonical tokenization is accepted (both modes);
+4. no dead ends (on the arrays for explicit automata, by exploration for factored ones);
+5. scripts filter: outputs stay in the allowed scripts.
+
+Unit tests: typed errors with positions, budgets (< 5 s each), empty languages, the numpy trie walk vs
+the pynini composition path (001 Alg. 2), options validation, the cache.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+from fst_testlib import (  # noqa: F401  (fixtures)
+    TOKENIZERS,
+    check_coaccessible,
+    check_no_dead_ends_explicit,
+    decode_text,
+    explore,
+    fst_artifacts,
+    fst_infos,
+    fullmatch,
+    matching_texts,
+    oracle_ids,
+    random_walk,
+    regex_strategy,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_fst_backend.compiler import CompiledCache, CompileOptions, compile_regex
+from vllm_fst_backend.errors import (
+    CompileBudgetError,
+    EmptyLanguageError,
+    InvalidOptionError,
+    RegexSyntaxError,
+    UnsupportedRegexError,
+)
+from vllm_fst_backend.runtime import FstMatcher
+
+
+def _accepts(c, ids) -> bool:
+    m = FstMatcher(c)
+    return m.accept_tokens("t", list(ids)) and m.accept_tokens("t", [int(c.eos_ids[0])]) and m.is_terminated()
+
+
+# --- properties 1-4 ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("canonical", [True, False], ids=["canonical", "any"])
+@given(regex=regex_strategy(), seed=st.integers(0, 2**16))
+def test_random_regexes(fst_artifacts, fst_infos, name, canonical, regex, seed):
+    arts, info = fst_artifacts(name), fst_infos(name)
+    c = compile_regex(regex, arts, CompileOptions(canonical=canonical))
+    rnd = random.Random(seed)
+    # (1) + (2): random walks
+    for _ in range(6):
+        ids, done = random_walk(c, rnd)
+        if not done:
+            continue
+        text = decode_text(info, ids)
+        assert fullmatch(regex, text), (regex, text)
+        if canonical:
+            assert ids == oracle_ids(info, text), (regex, text, ids)
+    # (3): matching strings' canonical tokenizations are accepted
+    for text in matching_texts(regex, 4, seed):
+        assert _accepts(c, oracle_ids(info, text)), (regex, text)
+    # (4): no dead ends
+    if c.mode == "explicit":
+        check_no_dead_ends_explicit(c)
+    else:
+        seen, edges, complete = explore(c, max_states=300, max_tokens=3000)
+        if complete:
+            check_coaccessible(c, seen, edges)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize(
+    "regex",
+    [
+        r"(Yes|No|Maybe)",
+        r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z",
+        r"((25[0-5]|2[0-4]\d|[01]?\d\d?)\.){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)",
+        r"[A-Za-z ,]{5,60}\.",
+        r'"([^"\\]|\\.){0,20}"',
+        r"[^\n]{1,200}",
+        r" ?[a-z]{1,8}( [a-z]{1,8}){0,3}\n",
+        r"(  |\t)?x",
+        r"[^a\n]€",  # regression: byte-level tokens ending inside a character (dead end after ' \xe2', '\x82')
+        r"[^a\n]{1,3}中文",
+    ],
+)
+def test_fixed_regexes_walks(fst_artifacts, fst_infos, name, regex):
+    """Properties 1, 2, 4 on the benchmark-like regexes (canonical)."""
+    arts, info = fst_artifacts(name), fst_infos(name)
+    c = compile_regex(regex, arts, CompileOptions())
+    rnd = random.Random(1)
+    n_done = 0
+    for _ in range(25):
+        ids, done = random_walk(c, rnd, max_steps=250, p_eos=0.5)
+        if done:
+            n_done += 1
+            text = decode_text(info, ids)
+            assert fullmatch(regex, text), (regex, text)
+            assert ids == oracle_ids(info, text), (regex, text, ids)
+    assert n_done > 0
+    for text in matching_texts(regex, 10, 3):
+        assert _accepts(c, oracle_ids(info, text)), (regex, text)
+    if c.mode == "explicit":
+        check_no_dead_ends_explicit(c)
+
+
+def test_explicit_product_arrays(fst_artifacts):
+    """Small canonical products are explicit: complete arrays, dead-end free, forced tokens."""
+    c = compile_regex(r"(Monday|Tuesday|Wednesday)", fst_artifacts("smollm2"), CompileOptions())
+    assert c.mode == "explicit"
+    check_no_dead_ends_explicit(c)
+    assert c.allowed_rows.dtype == np.int32
+    assert c.trans_ptr.dtype == np.int64 and c.trans_next.dtype == np.int32
+    assert (c.forced_token >= 0).sum() >= 2
+
+
+# --- property 5: scripts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("scripts", [("latin",), ("han",), ("cyrillic", "greek"), ("ascii",)])
+def test_scripts_filter(fst_artifacts, fst_infos, name, scripts):
+    from vllm_fst_backend.artifacts.unicode_filters import script_ranges
+
+    arts, info = fst_artifacts(name), fst_infos(name)
+    allowed = [r for s in scripts for r in script_ranges(s)]
+
+    def ok(ch):
+        return any(lo <= ord(ch) <= hi for lo, hi in allowed)
+
+    for canonical in (True, False):
+        c = compile_regex(r"[^\n]{1,12}", arts, CompileOptions(canonical=canonical, scripts=scripts))
+        rnd = random.Random(7)
+        for _ in range(20):
+            ids, done = random_walk(c, rnd, max_steps=40)
+            if done:
+                text = decode_text(info, ids)
+                assert all(ok(ch) for ch in text), (scripts, text)
+                assert fullmatch(r"[^\n]{1,12}", text)
+                if canonical:
+                    assert ids == oracle_ids(info, text)
+
+
+def test_scripts_empty_language(fst_artifacts):
+    with pytest.raises(EmptyLanguageError):
+        compile_regex("中文", fst_artifacts("smollm2"), CompileOptions(scripts=("latin",)))
+
+
+# --- fast path == pynini path ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize(
+    "regex", [r"(Yes|No|Maybe)", r"\d{2}-\d", r"[a-zé]{1,2}", r"é|€|中文", r'"([^"\\]|\\.)?"', r"[α-ω]{1,2}x?", r"a?\n?"]
+)
+def test_trie_walk_equals_pynini(fst_artifacts, fst_infos, name, regex):
+    """The numpy trie walk gives the same token language as pynini's composition with the detokenizer
+    (001 Alg. 2: project(A ∘ T_V), rmepsilon, determinize, minimize), for every byte policy, and the
+    byte DFA equals the pynini byte acceptor (∩ UTF-8 filter)."""
+    import pynini
+
+    from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_fst, byte_dfa_table, regex_to_char_dfa
+    from vllm_fst_backend.compiler.token_dfa import build_token_dfa, reference_token_fst, token_dfa_to_fst
+    from vllm_fst_backend.compiler.token_trie import trie_for
+
+    arts = fst_artifacts(name)
+    cdfa = regex_to_char_dfa(regex, prepend_space=arts.prepend_space)
+    bdfa = byte_dfa_table(cdfa)
+    ref_bytes = byte_dfa_fst(cdfa)
+    mine_bytes = pynini.Fst()
+    mine_bytes.add_states(bdfa.num_states)
+    mine_bytes.set_start(0)
+    one = pynini.Weight.one("tropical")
+    for q in range(bdfa.num_states):
+        if bdfa.final[q]:
+            mine_bytes.set_final(q)
+        for b in np.flatnonzero(bdfa.table[q] >= 0).tolist():
+            mine_bytes.add_arc(q, pynini.Arc(b + 1, b + 1, one, int(bdfa.table[q, b])))
+    assert pynini.equivalent(pynini.determinize(mine_bytes).minimize(), ref_bytes)
+    policies = ["all", "no_ascii_with_piece", "canonical"] if arts.byte_policies and len(set(arts.manifest["detokenizers"].values())) > 1 else ["all"]
+    for policy in policies:
+        td = build_token_dfa(bdfa, trie_for(arts), policy)
+        mine = pynini.determinize(token_dfa_to_fst(td)).minimize()
+        ref = reference_token_fst(ref_bytes, arts.detokenizer(policy))
+        assert pynini.equivalent(mine, ref), (regex, policy)
+
+
+@pytest.mark.parametrize("regex", [r"[a-c]{1,3}", r"(ab|a)(c|bc)?"])
+def test_canonical_byte_policy_matches_pynini(fst_artifacts, regex):
+    """SentencePiece canonical mode (byte tokens only for whole characters without a piece, enforced by
+    the product's acceptor component) == pynini with the canonical detokenizer, restricted to canonical
+    sequences: every accepted sequence up to length 4 is in the pynini language."""
+    import pynini
+
+    from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_fst, regex_to_char_dfa
+    from vllm_fst_backend.compiler.token_dfa import reference_token_fst
+
+    arts = fst_artifacts("mistral_v1")
+    c = compile_regex(regex, arts, CompileOptions())
+    ref = reference_token_fst(byte_dfa_fst(regex_to_char_dfa(regex, prepend_space=True)), arts.detokenizer("canonical"))
+    seen, edges, complete = explore(c, max_states=500)
+    assert complete
+    # enumerate accepted sequences and check each against the reference
+    stack = [(0, [])]
+    n = 0
+    while stack:
+        s, path = stack.pop()
+        if c.is_accepting(s):
+            chain = pynini.accep("".join(f"[{t + 1}]" for t in path))
+            assert pynini.compose(chain, ref).num_states() > 0, path
+            n += 1
+        if len(path) < 4:
+            for t in c.allowed_tokens(s).tolist():
+                if not c.is_eos(t):
+                    stack.append((c.next_state(s, t), path + [t]))
+    assert n > 0
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "regex, exc, pos",
+    [
+        ("(ab", RegexSyntaxError, 3),
+        ("a)", RegexSyntaxError, 1),
+        ("[z-a]", RegexSyntaxError, None),
+        ("a{3,2}", RegexSyntaxError, 1),
+        ("(a)\\1", UnsupportedRegexError, 3),
+        ("ab(?=c)", UnsupportedRegexError, 2),
+        ("x(?<!y)z", UnsupportedRegexError, 1),
+        ("\\bfoo", UnsupportedRegexError, 0),
+        ("a^b", UnsupportedRegexError, 1),
+        ("a$b", UnsupportedRegexError, 1),
+        ("(?P<n>a)(?P=n)", UnsupportedRegexError, 8),
+        ("\\p{L}", UnsupportedRegexError, 0),
+        ("(?x)a", UnsupportedRegexError, 2),
+    ],
+)
+def test_bad_regex_errors(fst_artifacts, regex, exc, pos):
+    with pytest.raises(exc) as ei:
+        compile_regex(regex, fst_artifacts("smollm2"), CompileOptions())
+    if pos is not None:
+        assert ei.value.position == pos, (regex, ei.value)
+    else:
+        assert ei.value.position is not None
+
+
+def test_anchors_and_escapes_accepted(fst_artifacts):
+    arts = fst_artifacts("smollm2")
+    for r in ["^abc$", r"\u00e9t\u00e9", r"caf\U000000e9", "a\\$"]:
+        compile_regex(r, arts, CompileOptions())
+
+
+@pytest.mark.parametrize(
+    "regex",
+    [
+        r"(a|b)*a(a|b){20}",
+        r".{5000}",
+        r"((a{1,50}){1,50}){1,50}",
+        r"(.{0,100}){100}",
+        r"(x?){3000}",
+        r"[^\n]{1,100}[^\n]{1,100}[^\n]{1,100}[^\n]{1,100}",
+    ],
+)
+def test_pathological_regexes_fail_fast(fst_artifacts, regex):
+    arts = fst_artifacts("smollm2")
+    t0 = time.perf_counter()
+    try:
+        compile_regex(regex, arts, CompileOptions())
+    except CompileBudgetError:
+        pass
+    assert time.perf_counter() - t0 < 5.0, regex
+
+
+def test_pathological_raise_budget(fst_artifacts):
+    arts = fst_artifacts("smollm2")
+    for r in [r"(a|b)*a(a|b){20}", r".{5000}", r"((a{1,50}){1,50}){1,50}"]:
+        with pytest.raises(CompileBudgetError):
+            compile_regex(r, arts, CompileOptions())
+
+
+@pytest.mark.parametrize("regex", ["[^\\s\\S]", "a[^\\s\\S]b", "(?:[^\\s\\S])+"])
+def test_empty_language(fst_artifacts, regex):
+    with pytest.raises(EmptyLanguageError):
+        compile_regex(regex, fst_artifacts("smollm2"), CompileOptions())
+
+
+def test_options_validation():
+    with pytest.raises(InvalidOptionError):
+        CompileOptions(scripts=("klingon",))
+    with pytest.raises(InvalidOptionError):
+        CompileOptions(scripts=())
+    with pytest.raises(InvalidOptionError):
+        CompileOptions(canonical="yes")
+    o = CompileOptions(scripts=("Latin", "han", "latin"))
+    assert o.scripts == ("han", "latin")
+    assert hash(o) == hash(CompileOptions(scripts=("han", "latin")))
+    assert CompileOptions(canonical=False).byte_policy == "no_ascii_with_piece"
+    assert CompileOptions(canonical=False, allow_ascii_byte_tokens=True).byte_policy == "all"
+    assert CompileOptions().byte_policy == "canonical"
+
+
+def test_ascii_byte_tokens_option(fst_artifacts):
+    """Mistral: 'A' has a piece, so its byte token <0x41> is allowed only with allow_ascii_byte_tokens."""
+    arts = fst_artifacts("mistral_v1")
+    bf = int(arts.byte_fallback[ord("A")])
+    strict = compile_regex("A", arts, CompileOptions(canonical=False))
+    loose = compile_regex("A", arts, CompileOptions(canonical=False, allow_ascii_byte_tokens=True))
+
+    def used(c):
+        seen, _, complete = explore(c)
+        assert complete
+        return any(bf in c.allowed_tokens(s).tolist() for s in seen)
+
+    assert not used(strict)
+    assert used(loose)
+    assert not used(compile_regex("A", arts, CompileOptions(canonical=True, allow_ascii_byte_tokens=True)))
+
+
+# --- cache -------------------------------------------------------------------------------------------------
+
+
+def test_cache_lru_bytes_and_threads(fst_artifacts):
+    arts = fst_artifacts("smollm2")
+    cache = CompiledCache(max_bytes=10**9)
+    opts = CompileOptions(canonical=False)
+    a = cache.get_or_compile("(a|b)", arts, opts)
+    assert cache.get_or_compile("(a|b)", arts, opts) is a
+    assert cache.hits == 1 and cache.misses == 1
+    assert cache.nbytes == a.nbytes
+    # byte bound evicts least recently used
+    small = CompiledCache(max_bytes=int(a.nbytes * 2.5))
+    x = small.get_or_compile("x", arts, opts)
+    small.get_or_compile("y", arts, opts)
+    small.get_or_compile("x", arts, opts)  # x recently used
+    small.get_or_compile("z", arts, opts)  # evicts y
+    assert small.get(small.key("x", opts, arts)) is x
+    assert small.get(small.key("y", opts, arts)) is None
+    assert small.nbytes <= small.max_bytes
+    # concurrent misses on one key compile once
+    c3 = CompiledCache()
+    results = []
+    ts = [threading.Thread(target=lambda: results.append(c3.get_or_compile("[a-z]{1,5}", arts, opts))) for _ in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(results) == 6 and all(r is results[0] for r in results)
+    assert c3.misses == 1
+    # errors are raised, not cached
+    with pytest.raises(RegexSyntaxError):
+        c3.get_or_compile("(", arts, opts)
+    assert len(c3) == 1
+
+
+def test_compile_times_reasonable(fst_artifacts):
+    """A smoke check (the real figures come from scripts/bench_compile.py): simple regexes compile fast."""
+    arts = fst_artifacts("smollm2")
+    compile_regex("(Yes|No)", arts, CompileOptions())  # warm the per-tokenizer caches
+    t0 = time.perf_counter()
+    compile_regex("(Yes|No|Maybe)", arts, CompileOptions())
+    assert time.perf_counter() - t0 < 0.5

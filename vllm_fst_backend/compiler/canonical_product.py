@@ -1,0 +1,1080 @@
+"""Canonical product: token DFA ∩ A_BPE (paper 004 Eq. 5 with the implicit A_BPE of §6.5; 000 §3.3),
+dead-end free.
+
+The canonical filter (``artifacts/canonical.py``) is a DFA over tokens whose state is
+(class ``k`` of the last token, lookahead set ``S``); from (k, S) token v is allowed iff
+``v ∉ banned[k]`` (``start_row`` for the start) and ``la_first[v] ∈ S``; the next state is
+``(token_class[v], la_sets[k, j(v)])`` for whitespace-final v (index j) and ``(token_class[v], ALL)``
+otherwise; EOS is allowed iff END ∈ S. For SentencePiece the byte-fallback rule of the canonical byte
+policy (byte tokens only spell whole characters that are not single-character pieces, 000 §4.3) is a
+third component ``a``: the state of that character acceptor (0 = not inside a byte-fallback character).
+The regex side is the token DFA ``M`` (built with byte policy ``no_ascii_with_piece``, so byte tokens
+are 1-byte tokens there; the acceptor restricts them).
+
+A product state is ``(s, a, k, S)``. With ~10⁴ classes, wide regexes (free text) have ~10⁴ reachable
+product states per regex state, so the product is not enumerated; instead:
+
+1. **Dead-end analysis** (exact least fixpoint, per regex state, sinks first, iterating inside cycles):
+   ``bad[s]`` = the (lookahead set, class) pairs with which (s, 0, k, S) cannot reach acceptance
+   (``None`` when there are none, the common case). Per state and lookahead set, all classes are
+   tested at once: a few *witness* tokens (allowed at s, successor good, rarely banned) clear most
+   classes with one column read of ``banned_rows`` each; the remaining classes are checked exactly with
+   row operations (``rows AND ~banned AND lookahead rows``). States with equal (edges, successor
+   verdicts) share the result.
+2. **Rows.** ``row(s, 0, k, S) = base[s] & ~banned[k] & la_row[S]`` plus the few *special* tokens
+   whose successor depends on k (whitespace-final tokens: lookahead; byte-fallback tokens that start a
+   multi-byte character), plus EOS bits when s is accepting and END ∈ S. ``base[s]`` holds the other
+   allowed tokens whose successor is good; it is computed per distinct regex state signature.
+3. **Representation.** If the reachable product is small (multiple choice, dates, IPv4, ...), it is
+   enumerated into an explicit :class:`CompiledAutomaton` (token-level CSR, all arrays complete).
+   Otherwise the automaton is *factored*: states are packed ints, rows are computed on first use and
+   memoized (:class:`FactoredCanonical`). Both are dead-end free: every allowed token leads to a state
+   from which an accepting state is reachable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import CompileBudgetError, EmptyLanguageError
+from .compiled import CompiledAutomaton
+from .explicit import set_eos_bits
+from .token_dfa import TokenDFA
+
+__all__ = ["CanonHelper", "canonical_helper", "canonical_automaton", "FactoredCanonical"]
+
+_POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+
+
+def _bool_of_row(row: np.ndarray, V: int) -> np.ndarray:
+    return np.unpackbits(np.ascontiguousarray(row).view(np.uint8), bitorder="little")[:V].astype(bool)
+
+
+def ids_of_row(row: np.ndarray) -> np.ndarray:
+    """Sorted token ids (int64) of the set bits of ``row: int32[W]``; cost ~ number of non-zero words."""
+    words = np.flatnonzero(row)
+    if not len(words):
+        return np.zeros(0, dtype=np.int64)
+    bits = np.unpackbits(np.ascontiguousarray(row[words]).view(np.uint8), bitorder="little").reshape(len(words), 32)
+    return (words[:, None].astype(np.int64) * 32 + np.arange(32, dtype=np.int64)[None, :])[bits.astype(bool)]
+
+
+def _pack(mask: np.ndarray, W: int) -> np.ndarray:
+    out = np.zeros(W * 4, dtype=np.uint8)
+    p = np.packbits(mask, bitorder="little")
+    out[: len(p)] = p
+    return out.view("<i4").astype(np.int32, copy=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-tokenizer helper (cached on the artifacts object)
+# --------------------------------------------------------------------------------------------------
+
+
+class CanonHelper:
+    """Arrays of the canonical filter in the form the product needs, plus the byte-fallback acceptor.
+    Built once per tokenizer (:func:`canonical_helper`); read-only afterwards.
+
+    Attributes (V tokens, W words, C classes, L lookahead classes, nσ distinct lookahead sets):
+        tclass: ``int32[V]``; banned: ``int32[C, W]``; start_row: ``int32[W]``;
+        la_first: ``int64[V]``; j_of: ``int64[V]`` (whitespace-final index or -1);
+        sigmas: list of the nσ distinct non-empty lookahead sets (ints), ``ALL`` first;
+        la_sets_idx: ``int64[C+1, J]`` -- index into ``sigmas`` of ``la_sets`` (-1 = empty set);
+        sigma_rows: ``int32[nσ, W]`` -- tokens whose first character's lookahead class is in the set;
+        sigma_la: ``bool[nσ, L]``; sigma_end: ``bool[nσ]``;
+        est_ban: ``int32[V]`` -- estimated number of classes banning each token (sampled), for witnesses;
+        acc: ``int32[n_acc, 256]`` byte-fallback character acceptor (``None`` without byte fallback);
+        bf_tok: ``int32[256]``; tok_bf_byte: ``int32[V]`` (-1 for non-byte tokens).
+    """
+
+    def __init__(self, cf, trie):
+        from .regex_to_bytes import _gadget
+        from .token_trie import canonical_byte_ranges
+
+        self.V = int(cf.vocab_size)
+        self.W = (self.V + 31) // 32
+        self.C = int(cf.n_classes)
+        self.START = self.C
+        self.tclass = np.asarray(cf.token_class, dtype=np.int32)
+        self.bt = _banned_transposed(cf, self.V, self.W, self.C)  # int32[W, C]: word-major banned bits
+        self.start_row = np.asarray(cf.start_row, dtype=np.int32)
+        self.la_first = np.asarray(cf.la_first).astype(np.int64)
+        self.L = int(cf.n_lookahead)
+        self.END = 1 << self.L
+        self.ALL = (1 << (self.L + 1)) - 1
+        self.j_of = np.asarray(cf.la_token_index).astype(np.int64)
+        # context-dependent classes (Tekken punctuation runs): class reached = ctx_classes[j2, group(k)]
+        ctx = getattr(cf, "ctx_token_index", None)
+        self.ctx_j = np.asarray(ctx).astype(np.int64) if ctx is not None else np.full(self.V, -1, np.int64)
+        self.class_group = np.asarray(cf.class_group).astype(np.int64) if ctx is not None else np.zeros(self.C + 1, np.int64)
+        self.ctx_classes = np.asarray(cf.ctx_classes).astype(np.int64) if ctx is not None else np.zeros((0, 1), np.int64)
+        self.has_ctx = bool((self.ctx_j >= 0).any())
+        la_sets = np.asarray(cf.la_sets).astype(np.uint64)
+        vals = sorted(set(int(x) for x in np.unique(la_sets)) - {0, self.ALL})
+        self.sigmas = [self.ALL] + vals
+        sig_arr = np.asarray(self.sigmas, dtype=np.uint64)
+        order = np.argsort(sig_arr)
+        pos = np.searchsorted(sig_arr[order], la_sets)
+        pos = np.minimum(pos, len(sig_arr) - 1)
+        hit = sig_arr[order][pos] == la_sets
+        self.la_sets_idx = np.where(hit, order[pos], -1).astype(np.int64)
+        la_rows = np.asarray(cf.la_rows, dtype=np.int32)
+        self.sigma_la = np.array([[(s >> c) & 1 == 1 for c in range(self.L)] for s in self.sigmas], dtype=bool)
+        self.sigma_end = np.array([bool(s & self.END) for s in self.sigmas], dtype=bool)
+        self.sigma_rows = np.zeros((len(self.sigmas), self.W), dtype=np.int32)
+        for i in range(len(self.sigmas)):
+            for c in np.flatnonzero(self.sigma_la[i]).tolist():
+                self.sigma_rows[i] |= la_rows[c]
+        ws = (self.j_of >= 0) & (self.tclass >= 0)
+        self.ws_class_mask = np.zeros(self.C, dtype=bool)
+        self.ws_class_mask[self.tclass[ws & (self.ctx_j < 0)]] = True
+        for j2 in np.unique(self.ctx_j[ws & (self.ctx_j >= 0)]).tolist():
+            row = self.ctx_classes[j2]
+            self.ws_class_mask[row[row >= 0]] = True
+        lf = self.la_first
+        self.sigma_tok = np.stack([(lf >= 0) & self.sigma_la[i][np.maximum(lf, 0)] for i in range(len(self.sigmas))])
+        self.sigma_full = np.array([bool(self.sigma_la[i].all()) for i in range(len(self.sigmas))], dtype=bool)
+        # estimated ban counts from a sample of classes (only ranks witnesses; exactness does not depend on it)
+        n_sample = min(self.C, 384)
+        idx = np.linspace(0, self.C - 1, n_sample).astype(np.int64) if self.C else np.zeros(0, np.int64)
+        est = np.zeros(self.W * 32, dtype=np.int32)
+        for a in range(0, len(idx), 64):
+            rows = np.ascontiguousarray(self.bt[:, idx[a : a + 64]].T).view(np.uint8)
+            est += np.unpackbits(rows, axis=1, bitorder="little").sum(axis=0, dtype=np.int32)
+        self.est_ban = est[: self.V]
+        # byte fallback acceptor (SentencePiece canonical byte policy)
+        self.bf_tok = np.asarray(trie.byte_fallback, dtype=np.int32)
+        self.tok_bf_byte = np.full(self.V, -1, dtype=np.int32)
+        has = self.bf_tok >= 0
+        self.tok_bf_byte[self.bf_tok[has]] = np.flatnonzero(has).astype(np.int32)
+        self.acc = None
+        if has.any():
+            ranges = canonical_byte_ranges(trie)
+            if ranges:
+                self.acc = _gadget((tuple(ranges),))
+        self.n_acc = 1 if self.acc is None else int(self.acc.shape[0])
+        # which classes can be the last token's class at a character boundary / inside a character
+        # (a token ending inside a UTF-8 character leads to a regex state inside a character)
+        ends_mid = np.zeros(self.V, dtype=bool)
+        ends_cb = np.ones(self.V, dtype=bool)
+        for t, b in enumerate(trie.token_bytes):
+            if b:
+                k = len(b) - 1
+                while k >= 0 and (b[k] & 0xC0) == 0x80:
+                    k -= 1
+                if k < 0:  # only continuation bytes: may complete a character or stay inside one
+                    ends_mid[t] = True
+                elif b[k] >= 0xC0:
+                    need = 2 if b[k] < 0xE0 else 3 if b[k] < 0xF0 else 4
+                    if len(b) - k < need:
+                        ends_mid[t] = True
+                        ends_cb[t] = False
+        ends_mid |= self.tok_bf_byte >= 0
+        valid = self.tclass >= 0
+        self.cls_boundary = np.zeros(self.C, dtype=bool)
+        self.cls_mid = np.zeros(self.C, dtype=bool)
+        self.cls_boundary[self.tclass[valid & ends_cb]] = True
+        self.cls_mid[self.tclass[valid & ends_mid]] = True
+        for j2 in range(self.ctx_classes.shape[0]):  # context-dependent tokens may reach other classes
+            row = self.ctx_classes[j2]
+            self.cls_boundary[row[row >= 0]] = True
+            self.cls_mid[row[row >= 0]] = True
+
+    def next_cls(self, k, v: int):
+        """Class reached by token ``v`` from class(es) ``k`` (int or int array; START = C)."""
+        j = int(self.ctx_j[v])
+        if j < 0:
+            return int(self.tclass[v]) if np.isscalar(k) else np.full(len(k), int(self.tclass[v]), np.int64)
+        row = self.ctx_classes[j]
+        return int(row[self.class_group[k]]) if np.isscalar(k) else row[self.class_group[np.asarray(k)]]
+
+    def bcol(self, w: int) -> np.ndarray:
+        """``bool[C]``: classes that ban token ``w`` (one contiguous row of the word-major copy, ~10 µs)."""
+        return ((self.bt[w >> 5] >> (w & 31)) & 1).astype(bool)
+
+    def not_banned_row(self, k: int) -> np.ndarray:
+        """``int32[W]``: tokens allowed after class ``k`` (``start_row`` for START)."""
+        if k == self.START:
+            return self.start_row
+        return ~self.bt[:, k]
+
+    def banned_bit(self, k: int, v: int) -> bool:
+        """Whether ``v`` may not follow class ``k``."""
+        if k == self.START:
+            return not ((int(self.start_row[v >> 5]) >> (v & 31)) & 1)
+        return bool((int(self.bt[v >> 5, k]) >> (v & 31)) & 1)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bt.nbytes + self.est_ban.nbytes + self.la_sets_idx.nbytes + self.sigma_rows.nbytes)
+
+
+def _banned_transposed(cf, V: int, W: int, C: int) -> np.ndarray:
+    """``int32[W, C]``: ``bt[w, k]`` = word w of class k's banned row, built from the stored CSR in chunks
+    (never materializing the row-major dense matrix): columns of ``banned_rows`` (all classes banning one
+    token) become contiguous reads."""
+    bt = np.empty((W, C), dtype=np.int32)
+    ptr = getattr(cf, "banned_ptr", None)
+    if ptr is None:  # older in-memory filters: transpose the dense rows
+        bt[:] = np.asarray(cf.banned_rows).T
+        return bt
+    from ..artifacts.canonical import csr_to_rows
+
+    ptr = np.asarray(ptr)
+    H = (int(ptr.shape[0]) - 1) // max(C, 1) if C else 1
+    ids = cf.banned_ids
+    for a in range(0, C, 1024):
+        b = min(C, a + 1024)
+        rows = csr_to_rows(ptr[a * H : b * H + 1], ids, V)
+        bt[:, a:b] = rows[:, :W].T
+    return bt
+
+
+_HELPER_LOCK = threading.Lock()
+
+
+def canonical_helper(artifacts, trie) -> CanonHelper:
+    """The cached :class:`CanonHelper` of ``artifacts`` (built on first use: ~0.1–0.5 s)."""
+    with _HELPER_LOCK:
+        h = getattr(artifacts, "_fst_canon_helper", None)
+        if h is None:
+            h = CanonHelper(artifacts.canonical, trie)
+            try:
+                setattr(artifacts, "_fst_canon_helper", h)
+            except AttributeError:
+                pass
+        return h
+
+
+# --------------------------------------------------------------------------------------------------
+# Dead-end analysis
+# --------------------------------------------------------------------------------------------------
+
+
+def _sccs(n: int, ptr: np.ndarray, nxt: np.ndarray) -> list[list[int]]:
+    """Tarjan's SCCs (iterative); returned sinks first (reverse topological order)."""
+    index = [-1] * n
+    low = [0] * n
+    on = [False] * n
+    stack: list[int] = []
+    out: list[list[int]] = []
+    src = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
+    pairs = np.unique(src * n + nxt.astype(np.int64))
+    ps, pt = pairs // n, pairs % n
+    cuts = np.searchsorted(ps, np.arange(n + 1))
+    pt_l = pt.tolist()
+    succ = [pt_l[cuts[s] : cuts[s + 1]] for s in range(n)]
+    counter = 0
+    for root in range(n):
+        if index[root] >= 0:
+            continue
+        work = [(root, 0)]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on[root] = True
+        while work:
+            v, i = work[-1]
+            if i < len(succ[v]):
+                work[-1] = (v, i + 1)
+                w = succ[v][i]
+                if index[w] < 0:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on[w] = True
+                    work.append((w, 0))
+                elif on[w]:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    u = work[-1][0]
+                    low[u] = min(low[u], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on[w] = False
+                        comp.append(w)
+                        if w == v:
+                            break
+                    out.append(comp)
+    return out
+
+
+class _Analysis:
+    """Dead-end analysis state for one compile (module docstring, step 1)."""
+
+    def __init__(self, M: TokenDFA, H: CanonHelper, deadline: float, n_char_states: int):
+        self.M = M
+        # regex states inside a UTF-8 character (only tokens ending inside a character lead there)
+        self.mid = np.asarray(M.byte_state) >= n_char_states
+        # states entered by a group holding a whitespace-final token (only those see σ != ALL)
+        ws_groups = np.zeros(max(M.num_groups, 1), dtype=bool)
+        tgw = M.token_group[(H.j_of >= 0) & (M.token_group >= 0)]
+        ws_groups[tgw] = True
+        self.ws_in = np.zeros(M.num_states, dtype=bool)
+        if len(M.edge_group):
+            self.ws_in[M.edge_next[ws_groups[M.edge_group]]] = True
+        self.H = H
+        self.deadline = deadline
+        V = H.V
+        self.nsig = len(H.sigmas)
+        tg = M.token_group
+        G = M.num_groups
+        self.G = G
+        # tokens per group
+        toks = np.flatnonzero(tg >= 0).astype(np.int64)
+        order = np.argsort(tg[toks], kind="stable")
+        self.g_toks = toks[order]
+        self.g_ptr = np.zeros(G + 1, dtype=np.int64)
+        np.cumsum(np.bincount(tg[self.g_toks], minlength=G), out=self.g_ptr[1:])
+        # token categories
+        valid = H.tclass >= 0
+        is_bf = H.tok_bf_byte >= 0
+        self.bf_start = np.full(V, -3, dtype=np.int64)  # acceptor move from state 0 (-1 reject, <=-2 exit)
+        if H.acc is not None:
+            self.bf_start[is_bf] = H.acc[0, H.tok_bf_byte[is_bf]]
+        bf_inner = is_bf & (self.bf_start >= 0)
+        bf_reject = is_bf & (self.bf_start == -1)
+        self.special = valid & ((H.j_of >= 0) | bf_inner | (H.ctx_j >= 0))
+        self.regular = valid & ~self.special & ~bf_reject
+        # best witness per (group, lookahead class): the regular token with the lowest estimated ban count
+        reg = np.flatnonzero(self.regular & (tg >= 0) & (H.la_first >= 0))
+        self.best = np.full((G, max(H.L, 1)), -1, dtype=np.int64)
+        if len(reg):
+            o = np.lexsort((H.est_ban[reg], H.la_first[reg], tg[reg]))
+            r = reg[o]
+            key = tg[r].astype(np.int64) * max(H.L, 1) + H.la_first[r]
+            first = np.concatenate([[True], key[1:] != key[:-1]])
+            sel = r[first]
+            self.best[tg[sel], H.la_first[sel]] = sel
+        # special tokens: list with their group
+        self.spec_toks = np.flatnonzero(self.special & (tg >= 0)).astype(np.int64)
+        self.spec_group = tg[self.spec_toks]
+        # per-state results
+        S = M.num_states
+        self.bad: list = [None] * S  # None (all good) or bool[nsig, C]
+        self.tag = np.zeros(S, dtype=np.int64)  # 0 = all good; else unique id of the bad table
+        self._tags: dict = {}
+        self._tab = np.zeros((64, H.C), dtype=bool)
+        self._mask_cache: dict = {}
+        self._row_cache: dict = {}
+        self._btok: dict = {}
+        self._grows: dict = {}
+        self._tok_cache: dict = {}
+        self.g_size = np.diff(self.g_ptr)
+        self._tgt_buf = np.full(G + 1, -1, dtype=np.int64)
+        self.tg_shift = np.where(tg >= 0, tg, G).astype(np.int64)  # -1 -> G (always -1 target)
+        self.tclass_safe = np.maximum(H.tclass, 0)
+        self._cache: dict = {}
+        self._inner_memo: dict = {}
+
+    # --- helpers ---------------------------------------------------------------------------------------
+
+    def succ_good(self, t: int, cls: int, sig: int) -> bool:
+        """Whether (t, 0, cls, sigmas[sig]) is good (sig -1 = empty set: never)."""
+        if sig < 0:
+            return False
+        b = self.bad[t]
+        return b is None or not b[sig, cls]
+
+    def inner_good(self, s: int, k: int, sig: int, a: int) -> bool:
+        """Whether (s, a, k, sigmas[sig]) with a > 0 (inside a byte-fallback character) is good:
+        some byte tokens complete the character (<= 3 more bytes) into a good state."""
+        key = (s, k, sig, a)
+        got = self._inner_memo.get(key)
+        if got is not None:
+            return got
+        H = self.H
+        res = False
+        row = H.acc[a]
+        for b in np.flatnonzero((row != -1) & (H.bf_tok >= 0)).tolist():
+            v = int(H.bf_tok[b])
+            if int(H.tclass[v]) < 0 or H.banned_bit(k, v):
+                continue
+            cv = H.next_cls(k, v)
+            lf = int(H.la_first[v])
+            if lf < 0 or not H.sigma_la[sig, lf]:
+                continue
+            t = self.M.next_state(s, v)
+            if t < 0:
+                continue
+            nsig = int(H.la_sets_idx[k, H.j_of[v]]) if H.j_of[v] >= 0 else 0
+            a2 = int(row[b])
+            ok = self.inner_good(t, cv, nsig, a2) if a2 >= 0 else self.succ_good(t, cv, nsig)
+            if ok:
+                res = True
+                break
+        if len(self._inner_memo) > 200_000:
+            self._inner_memo.clear()
+        self._inner_memo[key] = res
+        return res
+
+    def _edges(self, s: int):
+        a, b = int(self.M.edge_ptr[s]), int(self.M.edge_ptr[s + 1])
+        return self.M.edge_group[a:b], self.M.edge_next[a:b]
+
+    def regular_row_mask(self, s: int, sig: int | None) -> np.ndarray:
+        """``bool[V]``: regular tokens allowed at s whose successor (target, class of the token, ALL) is
+        good, restricted to lookahead set ``sig`` (None: no restriction). Vectorized over the vocabulary;
+        memoized by (edges, successor tags)."""
+        H = self.H
+        gs, ts = self._edges(s)
+        key = (gs.tobytes(), self.tag[ts].tobytes())
+        mask = self._mask_cache.get(key)
+        if mask is None:
+            tgt = self._tgt_buf
+            tgt[:] = -1
+            tgt[gs] = ts
+            tv = tgt[self.tg_shift]  # target per token (-1: not allowed at s)
+            ok = (tv >= 0) & self.regular
+            tags = self.tag[np.maximum(tv, 0)]
+            if (tags[ok] != 0).any():
+                tab = self._tag_table()
+                ok &= ~tab[tags, self.tclass_safe]
+            mask = ok
+            if len(self._mask_cache) > 4096:
+                self._mask_cache.clear()
+            self._mask_cache[key] = mask
+        if sig is not None and not H.sigma_full[sig]:
+            mask = mask & H.sigma_tok[sig]
+        return mask
+
+    def regular_tokens(self, s: int) -> np.ndarray | None:
+        """Sorted ids of :meth:`regular_row_mask` (no lookahead restriction) when at most 256 tokens are
+        allowed at s (by group sizes), else None. Memoized."""
+        gs, ts = self._edges(s)
+        if int(self.g_size[gs].sum()) > 256:
+            return None
+        key = (gs.tobytes(), self.tag[ts].tobytes())
+        got = self._tok_cache.get(key)
+        if got is None:
+            parts = []
+            for g, t in zip(gs.tolist(), ts.tolist()):
+                tk = self.g_toks[self.g_ptr[g] : self.g_ptr[g + 1]]
+                tk = tk[self.regular[tk]]
+                tg = int(self.tag[t])
+                if tg:
+                    tk = tk[~self._tab[tg, self.tclass_safe[tk]]]
+                parts.append(tk)
+            got = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+            self._tok_cache[key] = got
+        return got
+
+    def _group_row(self, g: int) -> np.ndarray:
+        r = self._grows.get(g)
+        if r is None:
+            tk = self.g_toks[self.g_ptr[g] : self.g_ptr[g + 1]]
+            tk = tk[self.regular[tk]]
+            r = np.zeros(self.H.W, dtype=np.int64)
+            np.bitwise_or.at(r, tk >> 5, np.left_shift(1, tk & 31))
+            r = r.astype(np.uint32).view(np.int32)
+            self._grows[g] = r
+        return r
+
+    def regular_row_packed(self, s: int) -> np.ndarray:
+        """``int32[W]``: :meth:`regular_row_mask` (no lookahead restriction) packed, memoized. Built from
+        per-group rows of regular tokens, minus (per successor tag) the tokens whose class is bad there."""
+        gs, ts = self._edges(s)
+        key = (gs.tobytes(), self.tag[ts].tobytes())
+        row = self._row_cache.get(key)
+        if row is None:
+            toks = self.regular_tokens(s)
+            row = np.zeros(self.H.W, dtype=np.int32)
+            if toks is not None:
+                if len(toks):
+                    r = np.zeros(self.H.W, dtype=np.int64)
+                    np.bitwise_or.at(r, toks >> 5, np.left_shift(1, toks & 31))
+                    row = r.astype(np.uint32).view(np.int32)
+            elif len(gs):
+                tags = self.tag[ts]
+                for g, tg in zip(gs.tolist(), tags.tolist()):
+                    gr = self._group_row(g)
+                    row |= (gr & ~self._bad_tok_row(tg)) if tg else gr
+            if len(self._row_cache) > 4096:
+                self._row_cache.clear()
+            self._row_cache[key] = row
+        return row
+
+    def _bad_tok_row(self, tag: int) -> np.ndarray:
+        """``int32[W]``: tokens whose class is bad (σ = ALL) in a state with this tag."""
+        r = self._btok.get(tag)
+        if r is None:
+            tab = self._tag_table()
+            r = self._btok[tag] = _pack(tab[tag][self.tclass_safe] & (self.H.tclass >= 0), self.H.W)
+        return r
+
+    def _tag_table(self) -> np.ndarray:
+        """``bool[n_tags + 1, C]``: row ``tag`` = the σ=ALL row of the bad table with that tag (row 0:
+        all good). Grown by doubling as tags appear."""
+        return self._tab[: len(self._tags) + 1]
+
+    def specials_of(self, s: int):
+        """Special tokens allowed at s: arrays (token, target)."""
+        gs, ts = self._edges(s)
+        if not len(self.spec_toks) or not len(gs):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        pos = np.searchsorted(gs, self.spec_group)
+        pos = np.minimum(pos, len(gs) - 1)
+        hit = gs[pos] == self.spec_group
+        return self.spec_toks[hit], ts[pos[hit]].astype(np.int64)
+
+    def special_ok(self, k_arr: np.ndarray, sig: int, v: int, t: int) -> np.ndarray:
+        """For classes ``k_arr``: is special token v (→ regex state t) allowed and its successor good?"""
+        H = self.H
+        lf = int(H.la_first[v])
+        if int(H.tclass[v]) < 0 or lf < 0 or not H.sigma_la[sig, lf]:
+            return np.zeros(len(k_arr), dtype=bool)
+        allowed = ~H.bcol(v)[k_arr]
+        cv_arr = H.next_cls(k_arr, v)  # class reached, per previous class
+        cv = int(cv_arr[0]) if len(k_arr) else 0
+        j = int(H.j_of[v])
+        a2 = int(self.bf_start[v]) if H.tok_bf_byte[v] >= 0 else -3
+        if a2 >= 0:
+            out = np.zeros(len(k_arr), dtype=bool)
+            for i in np.flatnonzero(allowed).tolist():
+                k = int(k_arr[i])
+                nsig = int(H.la_sets_idx[k, j]) if j >= 0 else 0
+                out[i] = self.inner_good(t, int(cv_arr[i]), nsig, a2)
+            return out
+        nsig = H.la_sets_idx[k_arr, j] if j >= 0 else np.zeros(len(k_arr), np.int64)
+        b = self.bad[t]
+        if b is None:
+            good = nsig >= 0
+        else:
+            good = (nsig >= 0) & ~b[np.maximum(nsig, 0), cv_arr]
+        return allowed & good
+
+    # --- one state -------------------------------------------------------------------------------------
+
+    def state_bad(self, s: int):
+        """The bad table of s given the current tables of its successors (None = all good)."""
+        M, H = self.M, self.H
+        gs, ts = self._edges(s)
+        acc = bool(M.accepting[s])
+        # inner goodness (byte-fallback characters) depends on the targets' own edges: key on them then
+        key = (acc, bool(self.mid[s]), bool(self.ws_in[s]), gs.tobytes(), self.tag[ts].tobytes(), ts.tobytes() if H.acc is not None else b"")
+        got = self._cache.get(key, False)
+        if got is not False:
+            return got
+        res = np.zeros((self.nsig, H.C), dtype=bool)
+        # witness candidates: the best token of each (edge group, lookahead class) whose successor
+        # (target state, its class, ALL) is good
+        wc = self.best[gs]  # [E, L]
+        wt = np.repeat(ts.astype(np.int64)[:, None], wc.shape[1], axis=1)
+        okw = wc >= 0
+        tt = self.tag[ts]
+        if okw.any() and (tt != 0).any():
+            tab = self._tag_table()
+            okw &= ~tab[tt[:, None], self.tclass_safe[np.maximum(wc, 0)]]
+        specials = None
+        full_row = None
+        for i in range(self.nsig):
+            if acc and H.sigma_end[i]:
+                continue
+            if i != 0 and not self.ws_in[s]:
+                continue  # no whitespace-final token enters s: σ != ALL never occurs here
+            las = np.flatnonzero(H.sigma_la[i])
+            # a product state (t, k, σ) with σ != ALL is only ever entered by a whitespace-final token,
+            # so k is the class of one: other classes are irrelevant there (left good)
+            cand = (H.cls_mid if self.mid[s] else H.cls_boundary).copy()
+            if i != 0:
+                cand &= H.ws_class_mask
+            if not cand.any():
+                continue
+            if len(las):
+                w = wc[:, las][okw[:, las]]
+                if len(w):
+                    w = np.unique(w)
+                    w = w[np.argsort(H.est_ban[w], kind="stable")[:12]]
+                    for x in w.tolist():
+                        cand &= H.bcol(x)
+                        if not cand.any():
+                            break
+            if cand.any():
+                if full_row is None:
+                    full_row = self.regular_row_packed(s)
+                Y = full_row if H.sigma_full[i] else full_row & H.sigma_rows[i]
+                words = np.flatnonzero(Y)
+                if len(words):
+                    n_bits = int(_POP8[Y[words].view(np.uint8)].sum())
+                    n_cand = int(cand.sum())
+                    if n_bits <= 16 or n_cand > 2048:
+                        # one banned column per token (few tokens, or too many classes for row checks)
+                        w = words[:8]
+                        bits = np.unpackbits(Y[w].view(np.uint8), bitorder="little").reshape(len(w), 32)
+                        ys = (w[:, None] * 32 + np.arange(32)[None, :])[bits.astype(bool)]
+                        if len(ys) > 32:
+                            ys = ys[np.argpartition(H.est_ban[ys], 31)[:32]]
+                        for y in ys.tolist():
+                            cand &= H.bcol(y)
+                            if not cand.any():
+                                break
+                    if cand.any() and n_bits > 16:
+                        idx = np.flatnonzero(cand)
+                        for a0 in range(0, len(idx), 512):
+                            part = idx[a0 : a0 + 512]
+                            ok = ((~H.bt[np.ix_(words, part)].T) & Y[words]).any(axis=1)
+                            cand[part[ok]] = False
+                idx = np.flatnonzero(cand)
+                if len(idx):
+                    if specials is None:
+                        specials = self.specials_of(s)
+                    for v, t in zip(*[x.tolist() for x in specials]):
+                        ok = self.special_ok(idx, i, v, t)
+                        if ok.any():
+                            cand[idx[ok]] = False
+                            idx = idx[~ok]
+                            if not len(idx):
+                                break
+            res[i] = cand
+            if time.perf_counter() > self.deadline:
+                raise CompileBudgetError("canonical product exceeded the time budget", None)
+        out = res if res.any() else None
+        self._cache[key] = out
+        return out
+
+    def _set(self, s: int, table) -> bool:
+        """Store a new table; returns True if it changed. Tags are content-based (equal tables share a
+        tag), so states with equal successor verdicts share cached results."""
+        old = self.bad[s]
+        if table is None and old is None:
+            return False
+        if table is not None and old is not None and np.array_equal(table, old):
+            return False
+        self.bad[s] = table
+        if table is None:
+            self.tag[s] = 0
+        else:
+            key = table.tobytes()
+            tag = self._tags.get(key)
+            if tag is None:
+                tag = self._tags[key] = len(self._tags) + 1
+                if tag >= self._tab.shape[0]:
+                    grown = np.zeros((2 * self._tab.shape[0], self.H.C), dtype=bool)
+                    grown[: self._tab.shape[0]] = self._tab
+                    self._tab = grown
+                self._tab[tag] = table[0]
+            self.tag[s] = tag
+        return True
+
+    def run(self, n_char_states: int) -> None:
+        """Compute ``bad`` for every regex state (least fixpoint, SCCs sinks first).
+
+        With a byte-fallback acceptor (SentencePiece), tokens never end inside a character when a = 0,
+        so regex states inside a character (byte state >= ``n_char_states``) are all-bad at a = 0
+        (they are reached only with a > 0, see :meth:`inner_good`)."""
+        M = self.M
+        comps = _sccs(M.num_states, M.edge_ptr, M.edge_next)
+        all_bad = np.ones((self.nsig, self.H.C), dtype=bool)
+        if self.H.acc is not None:
+            for s in np.flatnonzero(M.byte_state >= n_char_states).tolist():
+                self._set(s, all_bad)
+            skip = M.byte_state >= n_char_states
+        else:
+            skip = np.zeros(M.num_states, dtype=bool)
+        for comp in comps:
+            comp = [s for s in comp if not skip[s]]
+            if not comp:
+                continue
+            if len(comp) == 1:
+                s = comp[0]
+                a, b = int(M.edge_ptr[s]), int(M.edge_ptr[s + 1])
+                if not (M.edge_next[a:b] == s).any():
+                    self._set(s, self.state_bad(s))
+                    continue
+            # chaotic iteration with a worklist (monotone: tables only lose bad entries), starting from
+            # all-bad = the least fixpoint's bottom; a change re-queues the predecessors inside the SCC
+            members = set(comp)
+            for s in comp:
+                self._set(s, all_bad)
+            preds: dict = {s: [] for s in comp}
+            for s in comp:
+                a, b = int(M.edge_ptr[s]), int(M.edge_ptr[s + 1])
+                for t in set(M.edge_next[a:b].tolist()):
+                    if t in members:
+                        preds[t].append(s)
+            from collections import deque
+
+            queue = deque(reversed(comp))
+            queued = set(comp)
+            steps = 0
+            while queue:
+                s = queue.popleft()
+                queued.discard(s)
+                if self._set(s, self.state_bad(s)):
+                    self._inner_memo.clear()
+                    for p in preds[s]:
+                        if p not in queued:
+                            queued.add(p)
+                            queue.append(p)
+                steps += 1
+                if steps > 1_000_000:
+                    raise CompileBudgetError("canonical dead-end analysis did not converge", None)
+            self._inner_memo.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows and the factored automaton
+# --------------------------------------------------------------------------------------------------
+
+
+class FactoredCanonical:
+    """The canonical product in factored form (module docstring, step 3).
+
+    A state is the int ``((s * n_acc + a) * (C + 1) + kk) * nσ + σ`` (s: regex state, a: byte-fallback
+    acceptor state, kk = 0 for START and k + 1 for class k, σ: index into ``sigmas``, ALL = 0), so the
+    start state (0, 0, START, ALL) is 0.
+
+    Rows are computed on first use (``base[s] & ~banned[k] & la_row[σ]`` + special tokens + EOS)
+    and memoized in an LRU of ``memo_rows`` entries (thread-safe).
+    """
+
+    def __init__(self, M: TokenDFA, H: CanonHelper, an: _Analysis, eos_ids, base_rows: np.ndarray,
+                 base_index: np.ndarray, memo_rows: int = 1024):
+        self.M = M
+        self.H = H
+        self.an = an
+        self.eos_ids = np.asarray(eos_ids, dtype=np.int64)
+        self.base_rows = base_rows
+        self.base_index = base_index
+        self.nsig = len(H.sigmas)
+        self.NK = H.C + 1
+        self.n_acc = H.n_acc
+        self._eos_set = frozenset(int(e) for e in self.eos_ids.tolist())
+        self._memo: OrderedDict = OrderedDict()
+        self._memo_max = memo_rows
+        self._lock = threading.Lock()
+        self._spec: dict = {}
+        self._tagmask: dict = {}
+        eos_row = np.zeros((1, H.W), dtype=np.int32)
+        if len(self.eos_ids):
+            set_eos_bits(eos_row, np.array([0]), eos_ids)
+        self._eos_row = eos_row[0]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.base_rows.nbytes + self.base_index.nbytes + self.H.W * 4 * len(self._memo))
+
+    def pack(self, s: int, a: int, k: int, sig: int) -> int:
+        """Packed state of (s, a, k, σ); k = C means START."""
+        kk = 0 if k == self.H.START else k + 1
+        return ((s * self.n_acc + a) * self.NK + kk) * self.nsig + sig
+
+    def unpack(self, x: int):
+        """(s, a, k, σ) of a packed state (k = C for START)."""
+        x, sig = divmod(x, self.nsig)
+        x, kk = divmod(x, self.NK)
+        s, a = divmod(x, self.n_acc)
+        return s, a, (self.H.START if kk == 0 else kk - 1), sig
+
+    # --- rows ------------------------------------------------------------------------------------------
+
+    def _specials(self, s: int):
+        """(tokens, targets, badmask) of the special tokens of regex state s; ``badmask[i]`` has bit σ
+        set when (target, class of the token, σ) is bad (context-dependent tokens: -1, checked per call)."""
+        got = self._spec.get(s)
+        if got is None:
+            toks, tgts = self.an.specials_of(s)
+            H, an = self.H, self.an
+            badmask = np.zeros(len(toks), dtype=np.int64)
+            cv = np.maximum(H.tclass[toks], 0)
+            tags = an.tag[tgts]
+            for tg in np.unique(tags[tags != 0]).tolist():
+                sel = tags == tg
+                badmask[sel] = self._tag_sigma_mask(tg, int(tgts[sel][0]))[cv[sel]]
+            badmask[H.ctx_j[toks] >= 0] = -1  # class depends on k: checked per call
+            badmask[(H.tok_bf_byte[toks] >= 0) & (an.bf_start[toks] >= 0)] = -1  # inner: inner_good per call
+            got = self._spec[s] = (toks, tgts, badmask)
+        return got
+
+    def compute_row(self, s: int, a: int, k: int, sig: int) -> np.ndarray:
+        """``int32[W]`` row of product state (s, a, k, σ) (module docstring, step 2)."""
+        H, an = self.H, self.an
+        if a == 0:
+            row = self.base_rows[self.base_index[s]] & H.not_banned_row(k)
+            if not H.sigma_full[sig]:
+                row &= H.sigma_rows[sig]
+            toks, tgts, badmask = self._specials(s)
+            if len(toks):
+                sel = self._specials_ok(k, sig, toks, tgts, badmask)
+                if sel.any():
+                    v = toks[sel]
+                    r = row.view(np.uint32).astype(np.int64)
+                    np.bitwise_or.at(r, v >> 5, np.left_shift(1, v & 31))
+                    row = r.astype(np.uint32).view(np.int32)
+            if bool(self.M.accepting[s]) and H.sigma_end[sig] and len(self.eos_ids):
+                row |= self._eos_row
+            return row
+        # inside a byte-fallback character: byte tokens only
+        row = np.zeros(H.W, dtype=np.int32)
+        arow = H.acc[a]
+        for b in np.flatnonzero((arow != -1) & (H.bf_tok >= 0)).tolist():
+            v = int(H.bf_tok[b])
+            lf = int(H.la_first[v])
+            if int(H.tclass[v]) < 0 or lf < 0 or not H.sigma_la[sig, lf] or H.banned_bit(k, v):
+                continue
+            cv = H.next_cls(k, v)
+            t = self.M.next_state(s, v)
+            if t < 0:
+                continue
+            nsig = int(H.la_sets_idx[k, H.j_of[v]]) if H.j_of[v] >= 0 else 0
+            a2 = int(arow[b])
+            ok = an.inner_good(t, cv, nsig, a2) if a2 >= 0 else an.succ_good(t, cv, nsig)
+            if ok:
+                row[v >> 5] |= np.int32(np.uint32(1 << (v & 31)).view(np.int32))
+        return row
+
+    def _tag_sigma_mask(self, tag: int, t: int) -> np.ndarray:
+        """``int64[C]``: for the bad table with this tag (that of regex state t), bit σ set per class
+        when (class, σ) is bad. Cached per tag."""
+        got = self._tagmask.get(tag)
+        if got is None:
+            b = self.an.bad[t]
+            got = (b.astype(np.int64) << np.arange(b.shape[0], dtype=np.int64)[:, None]).sum(axis=0)
+            self._tagmask[tag] = got
+        return got
+
+    def _specials_ok(self, k: int, sig: int, toks: np.ndarray, tgts: np.ndarray, badmask: np.ndarray) -> np.ndarray:
+        """Vectorized over special tokens ``toks`` (→ regex states ``tgts``) of a plain state: allowed
+        after (k, σ) and leading to a good state."""
+        H, an = self.H, self.an
+        ok = H.tclass[toks] >= 0
+        lf = H.la_first[toks]
+        ok &= (lf >= 0) & H.sigma_la[sig][np.maximum(lf, 0)]
+        if k == H.START:
+            ok &= ((H.start_row[toks >> 5].astype(np.int64) >> (toks & 31)) & 1).astype(bool)
+        else:
+            ok &= ~((H.bt[toks >> 5, k].astype(np.int64) >> (toks & 31)) & 1).astype(bool)
+        j = H.j_of[toks]
+        nsig = np.where(j >= 0, H.la_sets_idx[k, np.maximum(j, 0)], 0)
+        ok &= nsig >= 0
+        if not ok.any():
+            return ok
+        # successor goodness from the precomputed σ bitmasks
+        plain = badmask >= 0
+        ok &= ~(plain & (((np.maximum(badmask, 0) >> np.maximum(nsig, 0)) & 1) == 1))
+        inner = (H.tok_bf_byte[toks] >= 0) & (an.bf_start[toks] >= 0)
+        for i in np.flatnonzero(ok & (inner | ~plain)).tolist():
+            v = int(toks[i])
+            cv = H.next_cls(k, v)
+            if inner[i]:
+                ok[i] = an.inner_good(int(tgts[i]), cv, int(nsig[i]), int(an.bf_start[v]))
+            else:
+                ok[i] = an.succ_good(int(tgts[i]), cv, int(nsig[i]))
+        return ok
+
+    def next_states(self, state: int, toks: np.ndarray) -> np.ndarray:
+        """Vectorized :meth:`next_state` for tokens known to be allowed (non-EOS) in ``state``."""
+        H, M = self.H, self.M
+        s, a, k, sig = self.unpack(state)
+        g = M.token_group[toks]
+        lo, hi = int(M.edge_ptr[s]), int(M.edge_ptr[s + 1])
+        pos = lo + np.searchsorted(M.edge_group[lo:hi], g)
+        t = M.edge_next[np.minimum(pos, len(M.edge_next) - 1)].astype(np.int64)
+        j = H.j_of[toks]
+        nsig = np.where(j >= 0, H.la_sets_idx[k, np.maximum(j, 0)], 0)
+        cv = H.tclass[toks].astype(np.int64)
+        if H.has_ctx:
+            for i in np.flatnonzero(H.ctx_j[toks] >= 0).tolist():
+                cv[i] = H.next_cls(k, int(toks[i]))
+        a2 = np.zeros(len(toks), dtype=np.int64)
+        if H.acc is not None:
+            b = H.tok_bf_byte[toks]
+            isb = b >= 0
+            if isb.any():
+                m = H.acc[a, b[isb]]
+                a2[isb] = np.where(m >= 0, m, 0)
+        return ((t * self.n_acc + a2) * self.NK + (cv + 1)) * self.nsig + nsig
+
+    def _special_ok_start(self, v: int, t: int, sig: int) -> bool:
+        H, an = self.H, self.an
+        lf = int(H.la_first[v])
+        if int(H.tclass[v]) < 0 or lf < 0 or not H.sigma_la[sig, lf]:
+            return False
+        cv = H.next_cls(H.START, v)
+        j = int(H.j_of[v])
+        nsig = int(H.la_sets_idx[H.START, j]) if j >= 0 else 0
+        a2 = int(an.bf_start[v]) if H.tok_bf_byte[v] >= 0 else -3
+        if a2 >= 0:
+            return an.inner_good(t, cv, nsig, a2)
+        return an.succ_good(t, cv, nsig)
+
+    def row(self, state: int) -> np.ndarray:
+        """Memoized row of a packed state."""
+        with self._lock:
+            r = self._memo.get(state)
+            if r is not None:
+                self._memo.move_to_end(state)
+                return r
+        r = self.compute_row(*self.unpack(state))
+        r.setflags(write=False)
+        with self._lock:
+            self._memo[state] = r
+            if len(self._memo) > self._memo_max:
+                self._memo.popitem(last=False)
+        return r
+
+    # --- automaton -------------------------------------------------------------------------------------
+
+    def is_accepting(self, state: int) -> bool:
+        s, a, k, sig = self.unpack(state)
+        return a == 0 and bool(self.M.accepting[s]) and bool(self.H.sigma_end[sig])
+
+    def next_state(self, state: int, token: int) -> int:
+        H = self.H
+        if not 0 <= token < H.V:
+            return -1
+        row = self.row(state)
+        if not (int(row[token >> 5]) >> (token & 31)) & 1:
+            return -1
+        if token in self._eos_set:
+            return -1
+        s, a, k, sig = self.unpack(state)
+        t = self.M.next_state(s, token)
+        if t < 0:
+            return -1
+        j = int(H.j_of[token])
+        nsig = int(H.la_sets_idx[k, j]) if j >= 0 else 0
+        b = int(H.tok_bf_byte[token])
+        a2 = 0
+        if b >= 0 and H.acc is not None:
+            m = int(H.acc[a, b])
+            a2 = m if m >= 0 else 0
+        return self.pack(t, a2, H.next_cls(k, token), nsig)
+
+    def forced(self, state: int) -> int:
+        row = self.row(state)
+        u8 = row.view(np.uint8)
+        if int(_POP8[u8].sum()) != 1:
+            return -1
+        w = int(np.flatnonzero(row)[0])
+        return w * 32 + (int(np.uint32(row[w].view(np.uint32))).bit_length() - 1)
+
+
+def _base_rows(an: _Analysis) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of the regular tokens of every regex state (deduplicated by signature)."""
+    M, H = an.M, an.H
+    S = M.num_states
+    keys: dict = {}
+    index = np.empty(S, dtype=np.int32)
+    rows = []
+    for s in range(S):
+        gs, ts = an._edges(s)
+        key = (gs.tobytes(), an.tag[ts].tobytes())
+        r = keys.get(key)
+        if r is None:
+            r = keys[key] = len(rows)
+            rows.append(an.regular_row_packed(s).copy())
+        index[s] = r
+    return (np.stack(rows) if rows else np.zeros((0, H.W), np.int32)), index
+
+
+def _try_explicit(fc: FactoredCanonical, V: int, eos_ids, max_states: int, max_edges: int, deadline: float, stats):
+    """Enumerate the reachable product; None if larger than the budgets."""
+    start = 0
+    index = {start: 0}
+    order = [start]
+    rows = []
+    ptrs = [0]
+    toks_all, nxt_all = [], []
+    n_edges = 0
+    eos = set(int(e) for e in np.asarray(eos_ids).tolist())
+    i = 0
+    while i < len(order):
+        st = order[i]
+        i += 1
+        row = fc.row(st)
+        ids = ids_of_row(row)
+        if eos and fc.is_accepting(st):
+            ids = ids[~np.isin(ids, list(eos))]
+        n_edges += len(ids)
+        if n_edges > max_edges or len(ids) > 1024:
+            return None
+        packed = fc.next_states(st, ids.astype(np.int64))
+        uniq, inv = np.unique(packed, return_inverse=True)
+        ids_u = np.empty(len(uniq), dtype=np.int64)
+        for j, ns in enumerate(uniq.tolist()):
+            q = index.get(ns)
+            if q is None:
+                q = index[ns] = len(order)
+                order.append(ns)
+                if len(order) > max_states:
+                    return None
+            ids_u[j] = q
+        nx = ids_u[inv.reshape(-1)]
+        rows.append(row)
+        toks_all.append(ids.astype(np.int32))
+        nxt_all.append(nx.astype(np.int32))
+        ptrs.append(ptrs[-1] + len(ids))
+        if time.perf_counter() > deadline:
+            return None
+    S = len(order)
+    seen: dict = {}
+    row_index = np.empty(S, dtype=np.int32)
+    uniq_rows = []
+    for i2, r in enumerate(rows):
+        key = r.tobytes()
+        j2 = seen.get(key)
+        if j2 is None:
+            j2 = seen[key] = len(uniq_rows)
+            uniq_rows.append(r)
+        row_index[i2] = j2
+    uniq = np.stack(uniq_rows)
+    accepting = np.array([fc.is_accepting(st) for st in order], dtype=bool)
+    forced = np.array([fc.forced(st) for st in order], dtype=np.int32)
+    stats = dict(stats)
+    stats.update(product_states=S, product_edges=int(ptrs[-1]), mode="explicit")
+    return CompiledAutomaton(
+        vocab_size=V, eos_ids=eos_ids, rows=uniq, row_index=row_index.reshape(-1), trans_ptr=np.asarray(ptrs),
+        trans_group=np.concatenate(toks_all) if toks_all else np.zeros(0, np.int32),
+        trans_next=np.concatenate(nxt_all) if nxt_all else np.zeros(0, np.int32),
+        token_group=np.arange(V, dtype=np.int32), accepting=accepting, forced_token=forced, stats=stats,
+    )
+
+
+def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadline: float, n_char_states: int,
+                        max_product_states: int = 2000, max_explicit_edges: int = 30_000,
+                        stats: dict | None = None) -> CompiledAutomaton:
+    """Intersect the token DFA ``M`` (byte policy ``no_ascii_with_piece``) with the canonical filter of
+    ``artifacts`` (module docstring).
+
+    Returns:
+        An explicit :class:`CompiledAutomaton` when the reachable product has at most
+        ``max_product_states`` states and ``max_explicit_edges`` token transitions, else a factored one.
+
+    Raises:
+        EmptyLanguageError: no canonical token sequence satisfies the constraint.
+        CompileBudgetError: past ``deadline``.
+    """
+    t0 = time.perf_counter()
+    H = canonical_helper(artifacts, trie)
+    an = _Analysis(M, H, deadline, n_char_states)
+    an.run(n_char_states)
+    t1 = time.perf_counter()
+    base_rows, base_index = _base_rows(an)
+    fc = FactoredCanonical(M, H, an, eos_ids, base_rows, base_index)
+    start_row = fc.row(0)
+    if not start_row.any():
+        raise EmptyLanguageError("no canonical token sequence satisfies the constraint", None)
+    t2 = time.perf_counter()
+    st = dict(stats or {})
+    st.update(ms_deadend=1e3 * (t1 - t0), ms_rows=1e3 * (t2 - t1), canon_classes=H.C,
+              bad_states=int(sum(b is not None for b in an.bad)))
+    exp = _try_explicit(fc, V, eos_ids, max_product_states, max_explicit_edges, deadline, st)
+    if exp is not None:
+        exp.stats["ms_explicit"] = 1e3 * (time.perf_counter() - t2)
+        return exp
+    st["mode"] = "factored"
+    S = M.num_states
+    return CompiledAutomaton(
+        vocab_size=V, eos_ids=eos_ids, rows=base_rows, row_index=base_index, trans_ptr=M.edge_ptr,
+        trans_group=M.edge_group, trans_next=M.edge_next, token_group=M.token_group,
+        accepting=M.accepting, forced_token=np.full(S, -1, dtype=np.int32), factored=fc, stats=st,
+    )

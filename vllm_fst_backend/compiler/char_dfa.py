@@ -1,0 +1,405 @@
+"""Regex tree → deterministic automaton over *character classes* (code-point ranges).
+
+Why not ``interegular.FSM``: its constructions (``crawl``) cannot be interrupted, so
+``(a|b)*a(a|b){20}`` (2^20 DFA states) would hang the server. We take interegular's parse tree
+(:mod:`.regex_parse`) and build the automaton ourselves with budgets checked *while* it grows:
+
+1. **Alphabet partition.** Every leaf is a set of characters, possibly negated (interegular's
+   "anything else" complement, e.g. ``.`` = everything but ``\\n``, ``[^"\\\\]``). The named characters
+   split all of Unicode (U+0000–U+10FFFF without the surrogates U+D800–U+DFFF, which UTF-8 cannot
+   encode) into classes of characters no leaf tells apart; the complement of all named characters is
+   one class with correct membership for every negated leaf, including non-ASCII characters. Each
+   class is a list of inclusive code-point ranges. An optional allowed set (script filters,
+   ``script_ranges``) is intersected into every class.
+2. **Position (Glushkov) automaton**, counted repetitions unrolled (``e{2,4}`` = ``e e (e (e)?)?``).
+3. **Subset construction** with a state budget and a deadline, then **trimming** (states that cannot
+   reach a final state are removed).
+
+The result is a DFA over class ids: ``trans[s]`` maps class id → next state; state 0 is the start.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..errors import CompileBudgetError, EmptyLanguageError
+
+MAX_CODEPOINT = 0x10FFFF
+SURROGATES = (0xD800, 0xDFFF)
+
+
+@dataclass
+class CharDFA:
+    """A trimmed DFA over character classes.
+
+    Attributes:
+        classes: list of K classes, each a sorted list of inclusive code-point ranges ``(lo, hi)``
+            (surrogates never included; every class non-empty).
+        trans: list of S dicts ``class id -> next state``; state 0 is the start.
+        final: list of S bools.
+    """
+
+    classes: list
+    trans: list
+    final: list
+
+    @property
+    def num_states(self) -> int:
+        return len(self.trans)
+
+    def class_of(self, ch: str) -> int:
+        """Class id of character ``ch`` (-1 if none). Linear scan: for tests."""
+        cp = ord(ch)
+        for i, rs in enumerate(self.classes):
+            for lo, hi in rs:
+                if lo <= cp <= hi:
+                    return i
+        return -1
+
+    def accepts(self, text: str) -> bool:
+        """Whether the DFA accepts ``text`` (for tests)."""
+        s = 0
+        for ch in text:
+            c = self.class_of(ch)
+            if c < 0 or c not in self.trans[s]:
+                return False
+            s = self.trans[s][c]
+        return self.final[s]
+
+
+# --- ranges helpers ---------------------------------------------------------------------------------
+
+
+def _runs(cps: list[int]) -> list[tuple[int, int]]:
+    """Sorted code points → maximal inclusive runs (surrogates removed)."""
+    out: list[tuple[int, int]] = []
+    for c in cps:
+        if SURROGATES[0] <= c <= SURROGATES[1]:
+            continue
+        if out and out[-1][1] + 1 == c:
+            out[-1] = (out[-1][0], c)
+        else:
+            out.append((c, c))
+    return out
+
+
+def _complement(cps: list[int]) -> list[tuple[int, int]]:
+    """All scalar values except the sorted code points ``cps`` (and the surrogates)."""
+    out: list[tuple[int, int]] = []
+    lo = 0
+    for c in sorted({x for x in cps if not SURROGATES[0] <= x <= SURROGATES[1]} | {SURROGATES[0]}):
+        if c == SURROGATES[0]:
+            if lo < c:
+                out.append((lo, c - 1))
+            lo = max(lo, SURROGATES[1] + 1)
+            continue
+        if c < lo:
+            continue
+        if lo < c:
+            out.append((lo, c - 1))
+        lo = c + 1
+    if lo <= MAX_CODEPOINT:
+        out.append((lo, MAX_CODEPOINT))
+    return out
+
+
+def intersect_ranges(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Intersection of two sorted disjoint inclusive range lists."""
+    out = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo = max(a[i][0], b[j][0])
+        hi = min(a[i][1], b[j][1])
+        if lo <= hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+# --- alphabet partition -------------------------------------------------------------------------------
+
+
+def _collect_leaves(node, leaves: dict) -> None:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        k = n[0]
+        if k == "sym":
+            if n[1] not in leaves:
+                leaves[n[1]] = len(leaves)
+        elif k in ("cat", "alt"):
+            stack.extend(n[1])
+        elif k == "rep":
+            stack.append(n[1])
+
+
+def partition(leaves: list, allowed: list[tuple[int, int]] | None, max_explicit_chars: int = 300_000):
+    """Split Unicode into classes no leaf distinguishes.
+
+    Args:
+        leaves: list of CharSets ``(chars, negated)``.
+        allowed: optional sorted disjoint ranges every class is intersected with (scripts filter).
+
+    Returns:
+        (classes, leaf_classes): ``classes`` = list of range lists (non-empty), ``leaf_classes[i]`` =
+        frozenset of class ids of leaf i.
+    """
+    explicit: set[str] = set()
+    for chars, _neg in leaves:
+        explicit |= chars
+        if len(explicit) > max_explicit_chars:
+            raise CompileBudgetError(
+                f"regex names more than {max_explicit_chars} distinct characters explicitly", None
+            )
+    neg_mask = 0
+    for i, (_chars, neg) in enumerate(leaves):
+        if neg:
+            neg_mask |= 1 << i
+    sig: dict[str, int] = {c: neg_mask for c in explicit}
+    for i, (chars, neg) in enumerate(leaves):
+        bit = 1 << i
+        for c in chars:
+            sig[c] ^= bit  # positive: set the bit; negated: clear it
+    by_sig: dict[int, list[int]] = {}
+    for c, s in sig.items():
+        by_sig.setdefault(s, []).append(ord(c))
+    else_sig = neg_mask
+    classes: list[list[tuple[int, int]]] = []
+    class_sigs: list[int] = []
+    # the "anything else" class: complement of the explicit characters whose signature differs
+    if else_sig:
+        others = sorted(ord(c) for c, s in sig.items() if s != else_sig)
+        rs = _complement(others)
+        if allowed is not None:
+            rs = intersect_ranges(rs, allowed)
+        if rs:
+            classes.append(rs)
+            class_sigs.append(else_sig)
+    for s, cps in sorted(by_sig.items(), key=lambda kv: min(kv[1])):
+        if s == 0 or s == else_sig and else_sig:
+            continue
+        rs = _runs(sorted(cps))
+        if allowed is not None:
+            rs = intersect_ranges(rs, allowed)
+        if rs:
+            classes.append(rs)
+            class_sigs.append(s)
+    leaf_classes = []
+    for i in range(len(leaves)):
+        bit = 1 << i
+        leaf_classes.append(frozenset(k for k, s in enumerate(class_sigs) if s & bit))
+    return classes, leaf_classes
+
+
+# --- position automaton ---------------------------------------------------------------------------------
+
+
+class _Budget:
+    def __init__(self, deadline: float, max_follow: int):
+        self.deadline = deadline
+        self.max_follow = max_follow
+        self.follow_size = 0
+        self.ticks = 0
+
+    def tick(self, n: int = 1) -> None:
+        self.ticks += n
+        if self.ticks >= 256:
+            self.ticks = 0
+            if time.perf_counter() > self.deadline:
+                raise CompileBudgetError("regex compilation exceeded the time budget", None)
+
+
+class _Glushkov:
+    def __init__(self, leaf_index: dict, leaf_classes: list, budget: _Budget):
+        self.leaf_index = leaf_index
+        self.leaf_classes = leaf_classes
+        self.pos_classes: list[frozenset] = []
+        self.follow: list[set] = []
+        self.budget = budget
+
+    def _link(self, lasts, firsts) -> None:
+        if not firsts:
+            return
+        b = self.budget
+        for p in lasts:
+            f = self.follow[p]
+            before = len(f)
+            f |= firsts
+            b.follow_size += len(f) - before
+        if b.follow_size > b.max_follow:
+            raise CompileBudgetError(
+                f"regex automaton exceeds {b.max_follow} follow links (nested optional repetitions)", None
+            )
+        b.tick(len(lasts))
+
+    def build(self, node):
+        """Returns (first: frozenset, last: frozenset, nullable: bool)."""
+        k = node[0]
+        if k == "sym":
+            p = len(self.pos_classes)
+            self.pos_classes.append(self.leaf_classes[self.leaf_index[node[1]]])
+            self.follow.append(set())
+            self.budget.tick()
+            return frozenset((p,)), frozenset((p,)), False
+        if k == "eps":
+            return frozenset(), frozenset(), True
+        if k == "cat":
+            acc = self.build(node[1][0])
+            for child in node[1][1:]:
+                acc = self._cat(acc, self.build(child))
+            return acc
+        if k == "alt":
+            first, last, nul = set(), set(), False
+            for child in node[1]:
+                f, l, n = self.build(child)
+                first |= f
+                last |= l
+                nul = nul or n
+            return frozenset(first), frozenset(last), nul
+        if k == "rep":
+            base, lo, hi = node[1], node[2], node[3]
+            parts = [self.build(base) for _ in range(lo)]
+            if hi is None:
+                if parts:
+                    f, l, n = parts[-1]
+                    self._link(l, f)  # last copy loops: e{lo,} = e^(lo-1) e+
+                else:
+                    f, l, n = self.build(base)
+                    self._link(l, f)
+                    parts.append((f, l, True))
+            elif hi > lo:
+                opt = None
+                for _ in range(hi - lo):  # innermost first: (e (e (e)?)?)?
+                    c = self.build(base)
+                    if opt is not None:
+                        c = self._cat(c, opt)
+                    opt = (c[0], c[1], True)
+                parts.append(opt)
+            if not parts:
+                return frozenset(), frozenset(), True
+            acc = parts[0]
+            for p in parts[1:]:
+                acc = self._cat(acc, p)
+            return acc
+        raise ValueError(k)
+
+    def _cat(self, a, b):
+        fa, la, na = a
+        fb, lb, nb = b
+        self._link(la, fb)
+        first = fa | fb if na else fa
+        last = lb | la if nb else lb
+        return first, last, na and nb
+
+
+def build_char_dfa(
+    tree,
+    allowed: list[tuple[int, int]] | None = None,
+    *,
+    max_states: int = 4000,
+    max_follow: int = 1_000_000,
+    deadline: float | None = None,
+) -> CharDFA:
+    """Compile a regex tree (:func:`.regex_parse.parse_regex`) into a trimmed :class:`CharDFA`.
+
+    Args:
+        tree: the regex tree.
+        allowed: optional code-point ranges every character must lie in (scripts filter).
+        max_states: budget on DFA states (subset construction).
+        max_follow: budget on the position automaton's follow links.
+        deadline: ``time.perf_counter()`` value after which compilation stops.
+
+    Raises:
+        CompileBudgetError: a budget was exceeded (``(a|b)*a(a|b){20}``, ``.{5000}``).
+        EmptyLanguageError: the regex (under ``allowed``) matches nothing.
+    """
+    if deadline is None:
+        deadline = time.perf_counter() + 5.0
+    budget = _Budget(deadline, max_follow)
+    leaf_index: dict = {}
+    _collect_leaves(tree, leaf_index)
+    leaves = sorted(leaf_index, key=leaf_index.get)
+    classes, leaf_classes = partition(leaves, allowed)
+    g = _Glushkov(leaf_index, leaf_classes, budget)
+    first, last, nullable = g.build(tree)
+    pos_classes, follow = g.pos_classes, g.follow
+    lastset = last
+
+    # subset construction; state = frozenset of positions (-1 = the start marker)
+    start = frozenset((-1,))
+    index = {start: 0}
+    states = [start]
+    trans: list[dict] = []
+    final: list[bool] = []
+    i = 0
+    total_size = 0
+    while i < len(states):
+        D = states[i]
+        i += 1
+        total_size += len(D)
+        if total_size > max_follow:
+            raise CompileBudgetError(
+                f"regex automaton construction exceeds its budget ({max_follow} position-set entries)", None
+            )
+        cand: set = set()
+        for p in D:
+            cand |= first if p < 0 else follow[p]
+        buckets: dict[int, list] = {}
+        for q in cand:
+            for c in pos_classes[q]:
+                buckets.setdefault(c, []).append(q)
+        budget.tick(len(cand) + 1)
+        row = {}
+        for c, qs in buckets.items():
+            nxt = frozenset(qs)
+            j = index.get(nxt)
+            if j is None:
+                j = index[nxt] = len(states)
+                states.append(nxt)
+                if len(states) > max_states:
+                    raise CompileBudgetError(
+                        f"regex automaton exceeds {max_states} states (e.g. a counted repetition after an "
+                        f"unbounded one, or a very large bound)",
+                        None,
+                    )
+            row[c] = j
+        trans.append(row)
+        final.append(bool(D & lastset) or (-1 in D and nullable))
+
+    # trim: keep states that reach a final state
+    n = len(states)
+    rev: list[list[int]] = [[] for _ in range(n)]
+    for s, row in enumerate(trans):
+        for t in set(row.values()):
+            rev[t].append(s)
+    alive = [False] * n
+    stack = [s for s in range(n) if final[s]]
+    for s in stack:
+        alive[s] = True
+    while stack:
+        t = stack.pop()
+        for s in rev[t]:
+            if not alive[s]:
+                alive[s] = True
+                stack.append(s)
+    if not alive[0]:
+        raise EmptyLanguageError("the regex matches no string (under the character filters)", None)
+    # renumber reachable alive states in BFS order from 0
+    new = {0: 0}
+    order = [0]
+    k = 0
+    while k < len(order):
+        s = order[k]
+        k += 1
+        for c in sorted(trans[s]):
+            t = trans[s][c]
+            if alive[t] and t not in new:
+                new[t] = len(order)
+                order.append(t)
+    out_trans = [{c: new[t] for c, t in trans[s].items() if alive[t]} for s in order]
+    out_final = [final[s] for s in order]
+    return CharDFA(classes=classes, trans=out_trans, final=out_final)

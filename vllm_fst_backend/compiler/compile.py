@@ -1,0 +1,131 @@
+"""``compile_regex``: regex + tokenizer artifacts + options → :class:`CompiledAutomaton`.
+
+Pipeline (paper 001 Alg. 2; 000 §3.1–3.3; 004 Eq. 3 and 5):
+
+1. :mod:`.regex_parse` -- parse (typed errors with positions, size estimate before expansion);
+2. :mod:`.char_dfa` -- DFA over character classes (scripts filter intersected into the classes;
+   SentencePiece: the language becomes ``" " + L``, the dummy prefix, 000 §3.1);
+3. :mod:`.regex_to_bytes` -- byte DFA (UTF-8 paths; the UTF-8 filter holds by construction);
+4. :mod:`.token_dfa` -- ∘ detokenizer (byte policy), projected to tokens: a deterministic token DFA
+   with group-labelled edges, trimmed;
+5. non-canonical: :mod:`.explicit`; canonical: :mod:`.canonical_product` (∩ A_BPE, 004 Eq. 5, §6.5),
+   dead-end free.
+
+Budgets: ``max_positions`` (unrolled regex size, checked on the tree before expansion),
+``max_char_states``, ``max_token_states``, and a wall-clock ``time_budget_s``; exceeding any raises
+:class:`CompileBudgetError` (pathological regexes fail in well under 5 s).
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..errors import InvalidOptionError
+from .compiled import CompiledAutomaton
+from .options import CompileOptions
+from .regex_to_bytes import byte_dfa_table, regex_to_char_dfa
+from .token_dfa import build_token_dfa
+from .token_trie import trie_for
+
+__all__ = ["compile_regex", "prepare", "CompileBudgets", "DEFAULT_BUDGETS"]
+
+
+class CompileBudgets:
+    """Limits of one compilation (see the module docstring). Plain attributes; override per call."""
+
+    def __init__(self, max_positions: int = 8000, max_char_states: int = 4000, max_byte_states: int = 100_000,
+                 max_token_states: int = 50_000, max_product_states: int = 2_000, time_budget_s: float = 4.0):
+        self.max_positions = max_positions
+        self.max_char_states = max_char_states
+        self.max_byte_states = max_byte_states
+        self.max_token_states = max_token_states
+        self.max_product_states = max_product_states
+        self.time_budget_s = time_budget_s
+
+
+DEFAULT_BUDGETS = CompileBudgets()
+
+
+def _allowed_ranges(scripts):
+    if not scripts:
+        return None
+    from ..artifacts.unicode_filters import normalize_ranges, script_ranges
+
+    rs = []
+    for name in scripts:
+        rs.extend(script_ranges(name))
+    return normalize_ranges(rs)
+
+
+def prepare(artifacts, canonical: bool = True) -> None:
+    """Build the per-tokenizer structures the compiler needs (token trie; for canonical mode the
+    dense banned rows and witness statistics of the canonical filter), once per tokenizer and process.
+    Called by :func:`compile_regex` before its time budget starts; call it at startup to keep the first
+    request fast (~1 s for a 49k vocabulary)."""
+    trie = trie_for(artifacts)
+    if canonical:
+        from .canonical_product import canonical_helper
+
+        canonical_helper(artifacts, trie)
+
+
+def compile_regex(regex: str, artifacts, options: CompileOptions | None = None, *,
+                  budgets: CompileBudgets | None = None) -> CompiledAutomaton:
+    """Compile ``regex`` for the tokenizer of ``artifacts``.
+
+    Args:
+        regex: interegular/Python ``re`` syntax (see :mod:`.regex_parse`); the whole output must match.
+        artifacts: a :class:`~vllm_fst_backend.artifacts.store.TokenizerArtifacts` (or an object with
+            ``vocab_size, eos_ids, token_bytes, byte_fallback, prepend_space, fingerprint`` and, for
+            canonical mode, ``canonical``).
+        options: :class:`CompileOptions` (default: canonical, no scripts filter).
+        budgets: :class:`CompileBudgets` (default :data:`DEFAULT_BUDGETS`).
+
+    Returns:
+        The :class:`CompiledAutomaton` (start state 0).
+
+    Raises:
+        RegexSyntaxError, UnsupportedRegexError: bad regex (``.position`` = offset in ``regex``).
+        CompileBudgetError: state/size/time budget exceeded.
+        EmptyLanguageError: no token sequence satisfies the constraint.
+        InvalidOptionError: ``options`` is not a CompileOptions.
+        ArtifactError: canonical mode on artifacts built without the canonical filter.
+    """
+    if options is None:
+        options = CompileOptions()
+    if not isinstance(options, CompileOptions):
+        raise InvalidOptionError(f"options must be a CompileOptions, got {type(options).__name__}")
+    b = budgets or DEFAULT_BUDGETS
+    prepare(artifacts, canonical=options.canonical)  # per-tokenizer work, once, outside the budget
+    t0 = time.perf_counter()
+    deadline = t0 + b.time_budget_s
+    stats: dict = {}
+    cdfa = regex_to_char_dfa(
+        regex, prepend_space=bool(artifacts.prepend_space), allowed_ranges=_allowed_ranges(options.scripts),
+        max_positions=b.max_positions, max_states=b.max_char_states, deadline=deadline,
+    )
+    t1 = time.perf_counter()
+    bdfa = byte_dfa_table(cdfa, max_states=b.max_byte_states, deadline=deadline)
+    t2 = time.perf_counter()
+    trie = trie_for(artifacts)
+    t3 = time.perf_counter()
+    # canonical mode: byte tokens as plain 1-byte tokens here; the canonical byte policy (whole characters
+    # without a piece) is enforced by the canonical product (an acceptor component), see canonical_product
+    policy = "no_ascii_with_piece" if options.canonical else options.byte_policy
+    tdfa = build_token_dfa(bdfa, trie, policy, deadline=deadline, max_states=b.max_token_states)
+    t4 = time.perf_counter()
+    stats.update(char_states=cdfa.num_states, byte_states=bdfa.num_states, token_states=tdfa.num_states,
+                 ms_char=1e3 * (t1 - t0), ms_byte=1e3 * (t2 - t1), ms_trie=1e3 * (t3 - t2), ms_token=1e3 * (t4 - t3))
+    eos = artifacts.eos_ids
+    V = int(artifacts.vocab_size)
+    if options.canonical:
+        from .canonical_product import canonical_automaton
+
+        out = canonical_automaton(tdfa, artifacts, trie, eos, V, deadline=deadline, n_char_states=cdfa.num_states,
+                                  max_product_states=b.max_product_states, stats=stats)
+    else:
+        from .explicit import explicit_from_token_dfa
+
+        out = explicit_from_token_dfa(tdfa, eos, V, stats=stats)
+    out.stats["ms_total"] = 1e3 * (time.perf_counter() - t0)
+    return out

@@ -1,0 +1,65 @@
+"""Per-request compile options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InvalidOptionError
+
+__all__ = ["CompileOptions"]
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options of :func:`compile_regex` (hashable: part of the cache key).
+
+    Attributes:
+        canonical: only canonical tokenizations (paper 000 §3.3, 004 §6.5): every accepted token
+            sequence is exactly what the tokenizer produces for its text. Default True.
+        scripts: ``None`` (no filter) or a tuple of script names of
+            ``unicode_filters.SCRIPT_NAMES`` (e.g. ``("latin",)``, ``("han", "hiragana_katakana")``):
+            every character must belong to one of them (000 §4.2). Normalized to a sorted tuple of
+            lower-case names.
+        allow_ascii_byte_tokens: SentencePiece only, non-canonical mode: also allow byte-fallback
+            tokens for ASCII bytes that have a piece (byte policy ``"all"`` instead of
+            ``"no_ascii_with_piece"``, 000 §4.3). Ignored in canonical mode (policy ``"canonical"``).
+
+    Raises:
+        InvalidOptionError: a non-bool flag, an unknown script name, an empty script tuple.
+    """
+
+    canonical: bool = True
+    scripts: tuple[str, ...] | None = None
+    allow_ascii_byte_tokens: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.canonical, bool):
+            raise InvalidOptionError(f"canonical must be a bool, got {self.canonical!r}")
+        if not isinstance(self.allow_ascii_byte_tokens, bool):
+            raise InvalidOptionError(f"allow_ascii_byte_tokens must be a bool, got {self.allow_ascii_byte_tokens!r}")
+        if self.scripts is not None:
+            names = (self.scripts,) if isinstance(self.scripts, str) else self.scripts
+            try:
+                names = tuple(names)
+            except TypeError:
+                raise InvalidOptionError(f"scripts must be a tuple of script names, got {self.scripts!r}") from None
+            from ..artifacts.unicode_filters import SCRIPT_NAMES
+
+            norm = []
+            for n in names:
+                key = n.strip().lower() if isinstance(n, str) else n
+                if key not in SCRIPT_NAMES:
+                    raise InvalidOptionError(
+                        f"unknown script {n!r}; valid script names: {', '.join(SCRIPT_NAMES)}"
+                    )
+                norm.append(key)
+            if not norm:
+                raise InvalidOptionError(f"scripts must name at least one script of {', '.join(SCRIPT_NAMES)}")
+            object.__setattr__(self, "scripts", tuple(sorted(set(norm))))
+
+    @property
+    def byte_policy(self) -> str:
+        """The detokenizer byte policy these options select (000 §4.3)."""
+        if self.canonical:
+            return "canonical"
+        return "all" if self.allow_ascii_byte_tokens else "no_ascii_with_piece"

@@ -1,0 +1,310 @@
+"""Regex text → a small syntax tree over character sets, with typed errors carrying positions.
+
+Syntax is interegular's (Python ``re`` subset): literals, ``.``, classes ``[...]`` / ``[^...]``, escapes
+``\\d \\w \\s \\D \\W \\S \\n \\t \\xNN \\0oo``, groups ``(...)``, ``(?:...)``, ``(?P<name>...)``,
+alternation, ``* + ? {n} {n,} {,m} {n,m}`` (lazy ``?`` suffix accepted, same language), inline flags
+``(?i) (?s)`` and ``(?i:...)``. The whole output must match (as ``re.fullmatch``). On top of
+interegular we accept ``\\uXXXX`` / ``\\UXXXXXXXX`` escapes and a leading ``^`` / trailing ``$``
+(no-ops under full match). ``\\d \\w \\s`` are ASCII (as ``re.ASCII``); ``.`` excludes ``\\n`` unless
+``(?s)``.
+
+Errors (all subclasses of :class:`~vllm_fst_backend.errors.RegexError`, ``position`` = 0-based offset
+into the *original* regex):
+
+* :class:`RegexSyntaxError` -- does not parse (unbalanced parentheses, bad range ``[z-a]``, ``{3,2}``);
+* :class:`UnsupportedRegexError` -- backreferences, lookarounds, anchors inside the pattern, ``\\b``,
+  conditionals, unsupported flags, Unicode properties ``\\p{..}``;
+* :class:`CompileBudgetError` -- the expanded size (character positions after unrolling counted
+  repetitions) exceeds the budget; estimated from the tree *before* anything is expanded.
+
+Tree nodes (tuples, immutable):
+
+* ``("sym", CharSet)`` -- one character of a set; ``CharSet = (chars: frozenset[str], negated: bool)``;
+* ``("cat", (node, ...))``, ``("alt", (node, ...))``;
+* ``("rep", node, min, max_or_None)``; ``("eps",)``.
+"""
+
+from __future__ import annotations
+
+import re as _re
+
+from ..errors import CompileBudgetError, RegexSyntaxError, UnsupportedRegexError
+
+__all__ = ["parse_regex", "estimate_positions", "CharSet"]
+
+CharSet = tuple  # (frozenset[str], bool)
+
+_EPS = ("eps",)
+
+
+def _find_unsupported(regex: str) -> tuple[str, int] | None:
+    """Scan ``regex`` (escapes and classes respected) for constructs no finite automaton of ours
+    expresses; returns (description, position) of the first one, or None."""
+    i, n = 0, len(regex)
+    in_class = False
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            if i + 1 >= n:
+                return None  # dangling backslash: a syntax error, reported by the parser
+            d = regex[i + 1]
+            if not in_class:
+                if d in "123456789":
+                    return ("backreference", i)
+                if d in "bBAZzG":
+                    return (f"anchor/word boundary \\{d}", i)
+                if d == "g":
+                    return ("backreference \\g<...>", i)
+            if d in "pPN":
+                return (f"Unicode property/name escape \\{d}", i)
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                in_class = False
+            i += 1
+            continue
+        if c == "[":
+            in_class = True
+            i += 1
+            if i < n and regex[i] == "^":
+                i += 1
+            if i < n and regex[i] == "]":
+                i += 1  # a leading ']' is a literal in Python
+            continue
+        if c == "(" and regex.startswith("(?", i):
+            rest = regex[i + 2 : i + 4]
+            if rest.startswith("="):
+                return ("lookahead (?=...)", i)
+            if rest.startswith("!"):
+                return ("negative lookahead (?!...)", i)
+            if rest.startswith("<=") or rest.startswith("<!"):
+                return ("lookbehind", i)
+            if rest.startswith("P="):
+                return ("named backreference (?P=...)", i)
+            if rest.startswith("("):
+                return ("conditional (?(...)...)", i)
+            if rest.startswith(">"):
+                return ("atomic group (?>...)", i)
+            m = _re.match(r"\(\?([a-zA-Z]*)(?:-([a-zA-Z]*))?[:)]", regex[i:])
+            if m:
+                for k, f in enumerate((m.group(1) or "") + (m.group(2) or "")):
+                    if f not in "is":
+                        return (f"inline flag {f!r}", i + 2 + k)
+        if c == "^":
+            return ("anchor '^' inside the pattern", i)
+        if c == "$":
+            return ("anchor '$' inside the pattern", i)
+        i += 1
+    return None
+
+
+def _preprocess(regex: str) -> tuple[str, list[int]]:
+    """Strip a leading ``^`` / trailing ``$``; rewrite ``\\uXXXX`` and ``\\UXXXXXXXX`` into literal
+    characters. Returns (new text, map from new offsets (len+1 entries) to original offsets)."""
+    out: list[str] = []
+    pos: list[int] = []
+    start, end = 0, len(regex)
+    if regex.startswith("^"):
+        start = 1
+    if end > start and regex.endswith("$"):
+        # a '$' preceded by an even number of backslashes is an anchor
+        k = end - 2
+        bs = 0
+        while k >= start and regex[k] == "\\":
+            bs += 1
+            k -= 1
+        if bs % 2 == 0:
+            end -= 1
+    i = start
+    in_class = False
+    while i < end:
+        c = regex[i]
+        if c == "\\" and i + 1 < end:
+            d = regex[i + 1]
+            width = 4 if d == "u" else 8 if d == "U" else 0
+            if width:
+                hexd = regex[i + 2 : i + 2 + width]
+                if len(hexd) != width or not all(h in "0123456789abcdefABCDEF" for h in hexd):
+                    raise RegexSyntaxError(f"bad escape \\{d}: expected {width} hex digits", i)
+                cp = int(hexd, 16)
+                if cp > 0x10FFFF:
+                    raise RegexSyntaxError(f"bad escape \\{d}{hexd}: code point above U+10FFFF", i)
+                ch = chr(cp)
+                special = "\\]-^[" if in_class else "\\.^$*+?{}[]|()"
+                # re-escape specials; write other characters literally
+                text = ("\\" + ch) if ch in special else (f"\\x{cp:02x}" if cp < 0x20 or cp == 0x7F else ch)
+                for t in text:
+                    out.append(t)
+                    pos.append(i)
+                i += 2 + width
+                continue
+            out.append(c)
+            pos.append(i)
+            out.append(d)
+            pos.append(i + 1)
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+            out.append(c)
+            pos.append(i)
+            i += 1
+            for lit in ("^", "]"):
+                if i < end and regex[i] == lit:
+                    out.append(lit)
+                    pos.append(i)
+                    i += 1
+            continue
+        if c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        pos.append(i)
+        i += 1
+    pos.append(end)
+    return "".join(out), pos
+
+
+def _fold_case(chars: frozenset) -> frozenset:
+    more = set(chars)
+    for c in chars:
+        for d in (c.lower(), c.upper(), c.swapcase()):
+            if len(d) == 1:
+                more.add(d)
+    return frozenset(more)
+
+
+def _convert(p, flags_i: bool, flags_s: bool, regex: str):
+    """interegular pattern objects → our tuples (applying the i/s flags)."""
+    import interegular.patterns as ip
+
+    if isinstance(p, ip.Pattern):
+        fl_i, fl_s = flags_i, flags_s
+        if p.added_flags & ip.REFlags.I:
+            fl_i = True
+        if p.removed_flags & ip.REFlags.I:
+            fl_i = False
+        if p.added_flags & ip.REFlags.S:
+            fl_s = True
+        if p.removed_flags & ip.REFlags.S:
+            fl_s = False
+        opts = tuple(_convert(o, fl_i, fl_s, regex) for o in p.options)
+        return opts[0] if len(opts) == 1 else ("alt", opts)
+    if isinstance(p, ip._Concatenation):
+        parts = []
+        for q in p.parts:
+            if isinstance(q, ip._NonCapturing):
+                found = _find_unsupported(regex)
+                raise UnsupportedRegexError("lookarounds are not supported", found[1] if found else None)
+            parts.append(_convert(q, flags_i, flags_s, regex))
+        parts = [q for q in parts if q != _EPS]
+        if not parts:
+            return _EPS
+        return parts[0] if len(parts) == 1 else ("cat", tuple(parts))
+    if isinstance(p, ip._Repeated):
+        base = _convert(p.base, flags_i, flags_s, regex)
+        if p.max is not None and p.min > p.max:
+            m = _re.search(r"\{\s*%d\s*,\s*%d\s*\}" % (p.min, p.max), regex)
+            raise RegexSyntaxError(
+                f"min repeat {p.min} greater than max repeat {p.max}", m.start() if m else None
+            )
+        lo, hi = int(p.min), None if p.max is None else int(p.max)
+        if base[0] == "rep" and base[2] == 0:
+            # (x{0,k}){m,n} == x{0,k*n}: every copy may be empty (avoids quadratic follow sets)
+            k = base[3]
+            return ("rep", base[1], 0, None if (k is None or hi is None) else k * hi)
+        return ("rep", base, lo, hi)
+    if isinstance(p, ip._CharGroup):
+        chars = frozenset(p.chars)
+        if flags_i:
+            chars = _fold_case(chars)
+        return ("sym", (chars, bool(p.negated)))
+    if p is ip._DOT:
+        return ("sym", (frozenset() if flags_s else frozenset("\n"), True))
+    if p is ip._EMPTY:
+        return _EPS
+    raise UnsupportedRegexError(f"unsupported regex construct {type(p).__name__}", None)
+
+
+def parse_regex(regex: str, max_positions: int = 20000):
+    """Parse ``regex`` into a tree (module docstring) and check its expanded size.
+
+    Args:
+        regex: the constraint; the whole output must match it.
+        max_positions: budget on character positions after unrolling counted repetitions
+            (``.{5000}`` has 5000).
+
+    Returns:
+        The tree root (a tuple node).
+
+    Raises:
+        RegexSyntaxError, UnsupportedRegexError (with ``position``), CompileBudgetError.
+    """
+    import interegular.patterns as ip
+    from interegular.utils.simple_parser import NoMatch
+
+    if not isinstance(regex, str):
+        raise RegexSyntaxError(f"regex must be a str, got {type(regex).__name__}", None)
+    text, pos_map = _preprocess(regex)
+    found = _find_unsupported(text)
+    if found is not None:
+        raise UnsupportedRegexError(f"unsupported regex construct: {found[0]}", pos_map[found[1]])
+    parser = ip._ParsePattern(text)
+    try:
+        tree = parser.parse()
+    except NoMatch as e:
+        idx = min(e.index, len(text))
+        raise RegexSyntaxError("regex does not parse", pos_map[idx]) from None
+    except ip.InvalidSyntax as e:
+        # interegular turns its NoMatch (which knows the furthest position it expected something at)
+        # into a bare InvalidSyntax; recover that position from the parser's bookkeeping
+        exp = getattr(parser, "_expected", None)
+        idx = max(exp) if (exp and not str(e)) else parser.index
+        idx = min(idx, len(text))
+        raise RegexSyntaxError(f"regex does not parse: {e}" if str(e) else "regex does not parse", pos_map[idx]) from None
+    except ip.Unsupported as e:
+        idx = max(0, min(parser.index - 1, len(text)))
+        raise UnsupportedRegexError(f"unsupported regex construct: {e}", pos_map[idx]) from None
+    except (ValueError, OverflowError, RecursionError) as e:  # e.g. chr() out of range in a class
+        idx = min(parser.index, len(text))
+        raise RegexSyntaxError(f"regex does not parse: {e}", pos_map[idx]) from None
+    flag_i = bool(parser.flags and parser.flags & ip.REFlags.I)
+    flag_s = bool(parser.flags and parser.flags & ip.REFlags.S)
+    try:
+        node = _convert(tree, flag_i, flag_s, text)
+    except UnsupportedRegexError as e:
+        if e.position is not None and e.position < len(pos_map):
+            raise UnsupportedRegexError(str(e).split(" (at position")[0], pos_map[e.position]) from None
+        raise
+    except RegexSyntaxError as e:
+        if e.position is not None and e.position < len(pos_map):
+            raise RegexSyntaxError(str(e).split(" (at position")[0], pos_map[e.position]) from None
+        raise
+    n = estimate_positions(node)
+    if n > max_positions:
+        raise CompileBudgetError(
+            f"regex expands to about {n} character positions after unrolling repetitions "
+            f"(budget {max_positions}); use a smaller bound or an unbounded repetition",
+            None,
+        )
+    return node
+
+
+def estimate_positions(node) -> int:
+    """Number of character positions of ``node`` after unrolling counted repetitions (an upper bound
+    on the position automaton's size). Computed on the tree without expanding anything; saturates at
+    ``10**12``."""
+    cap = 10**12
+    kind = node[0]
+    if kind == "sym":
+        return 1
+    if kind == "eps":
+        return 0
+    if kind in ("cat", "alt"):
+        return min(cap, sum(estimate_positions(c) for c in node[1]))
+    if kind == "rep":
+        inner = estimate_positions(node[1])
+        lo, hi = node[2], node[3]
+        times = (lo + 1) if hi is None else max(hi, 1)
+        return min(cap, inner * max(times, 1))
+    raise ValueError(kind)

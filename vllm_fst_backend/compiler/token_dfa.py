@@ -1,0 +1,499 @@
+"""Byte DFA ∘ detokenizer → token DFA, by a vectorized walk of the token trie (fast path).
+
+Paper 001 Alg. 2 composes the regex automaton with the detokenizing FST and projects onto tokens;
+004 Eq. 3 is the same construction. Since each token spells exactly one byte string and the byte
+automaton is deterministic, the result is already deterministic: from a *boundary* byte state ``q``,
+token ``v`` leads to ``δ*(q, bytes(v))`` (if defined). We compute all of these at once:
+
+1. **Byte classes.** Bytes whose columns of the transition table are equal are interchangeable; bytes
+   rejected everywhere are dead.
+2. **Class trie.** Mapping every trie node's byte to its class merges trie nodes whose spellings have
+   the same class string; tokens with the same class string behave identically from *every* state and
+   form one *group* (the terminal-mask idea of 001 §2.5.1, computed instead of hand-written: for
+   ``[^\\n]{1,200}`` all newline-free ASCII tokens of length 5 are one group). Dead bytes prune whole
+   subtrees. Cost O(trie nodes), vectorized per level.
+3. **Walk.** Level by level over the class trie with a frontier of ``(source state, class node,
+   byte state)`` triples (numpy arrays); every class node carrying a group emits an edge
+   ``(source, group, state)``. Boundary states are discovered in rounds (token boundaries may fall
+   inside a character for byte-level BPE).
+
+Byte-fallback tokens under the ``"canonical"`` byte policy are added separately: from a boundary state
+they must spell one whole character of :func:`.token_trie.canonical_byte_ranges` (extra *inner*
+states while inside that character).
+
+The result (:class:`TokenDFA`) labels edges with groups; ``token_group`` maps tokens to groups.
+:func:`token_dfa_to_fst` expands it to a pynini acceptor over token labels for the equivalence tests
+against the pynini path (:func:`reference_token_fst`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CompileBudgetError, EmptyLanguageError
+from .regex_to_bytes import ByteDFA, _gadget
+from .token_trie import TokenTrie, canonical_byte_ranges, policy_token_mask
+
+__all__ = ["TokenDFA", "build_token_dfa", "token_dfa_to_fst", "reference_token_fst"]
+
+
+@dataclass
+class TokenDFA:
+    """Deterministic token automaton with group-labelled edges (start state 0, trimmed: every state is
+    reachable and can reach an accepting state).
+
+    Attributes:
+        num_states: S.
+        accepting: ``bool[S]``.
+        edge_ptr: ``int64[S+1]``; edges of state s are ``edge_ptr[s]:edge_ptr[s+1]``.
+        edge_group: ``int32[E]`` sorted within each state.
+        edge_next: ``int32[E]``.
+        token_group: ``int32[V]`` -- group of each token, -1 for tokens never allowed.
+        num_groups: G.
+        byte_state: ``int32[S]`` -- the byte-DFA state of each token state (debugging).
+    """
+
+    num_states: int
+    accepting: np.ndarray
+    edge_ptr: np.ndarray
+    edge_group: np.ndarray
+    edge_next: np.ndarray
+    token_group: np.ndarray
+    num_groups: int
+    byte_state: np.ndarray
+
+    def group_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """CSR of tokens per group: ``(ptr int64[G+1], tokens int32[n])``, tokens sorted."""
+        tg = self.token_group
+        toks = np.flatnonzero(tg >= 0).astype(np.int32)
+        order = np.argsort(tg[toks], kind="stable")
+        toks = toks[order]
+        ptr = np.zeros(self.num_groups + 1, dtype=np.int64)
+        np.cumsum(np.bincount(tg[toks], minlength=self.num_groups), out=ptr[1:])
+        return ptr, toks
+
+    def next_state(self, s: int, token: int) -> int:
+        """Next state after ``token`` from ``s`` (-1 if not allowed)."""
+        g = int(self.token_group[token])
+        if g < 0:
+            return -1
+        a, b = int(self.edge_ptr[s]), int(self.edge_ptr[s + 1])
+        i = a + int(np.searchsorted(self.edge_group[a:b], g))
+        if i < b and self.edge_group[i] == g:
+            return int(self.edge_next[i])
+        return -1
+
+
+def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
+    """Partition bytes by equal columns of ``table``. Returns (bcls int32[256] with -1 = dead byte, K,
+    rep_byte int32[K] = smallest byte of each class). Columns are hashed (two random projections),
+    then verified exactly; O(n * 256)."""
+    n = table.shape[0]
+    rng = np.random.default_rng(12345)
+    t64 = table.astype(np.int64)
+    r = rng.integers(1, 2**61, size=(2, n), dtype=np.int64)
+    # (einsum, not matmul: integer matmul and BLAS are slow or thread-contended here)
+    with np.errstate(over="ignore"):
+        h = np.stack([np.einsum("i,ij->j", r[0], t64), np.einsum("i,ij->j", r[1], t64)], axis=1)
+    dead = (table < 0).all(axis=0)
+    _, first, inv = np.unique(h, axis=0, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    if not np.array_equal(table, table[:, first[inv]]):  # a hash collision: exact fallback
+        _, first, inv = np.unique(np.ascontiguousarray(table.T), axis=0, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+    live_classes = np.unique(inv[~dead])
+    remap = np.full(len(first), -1, dtype=np.int32)
+    remap[live_classes] = np.arange(len(live_classes), dtype=np.int32)
+    bcls = remap[inv].astype(np.int32)
+    bcls[dead] = -1
+    K = len(live_classes)
+    rep = np.zeros(K, dtype=np.int32)
+    live_b = np.flatnonzero(bcls >= 0)
+    rep[bcls[live_b[::-1]]] = live_b[::-1]  # last write wins: the smallest byte
+    return bcls, K, rep
+
+
+@dataclass
+class _ClassTrie:
+    parent: np.ndarray  # int32[M]
+    label: np.ndarray  # int32[M] byte class of the arc into the node
+    child_ptr: np.ndarray  # int64[M+1]
+    node_cid: np.ndarray  # int32[N] trie node -> class node (-1 dead)
+
+
+def _class_trie(trie: TokenTrie, bcls: np.ndarray, K: int, deadline: float) -> _ClassTrie:
+    N = trie.num_nodes
+    cid = np.full(N, -1, dtype=np.int32)
+    cid[0] = 0
+    parents = [np.array([-1], dtype=np.int64)]
+    labels = [np.array([-1], dtype=np.int64)]
+    next_id = 1
+    lp = trie.level_ptr
+    nb = bcls[trie.node_byte.astype(np.int64)]
+    for d in range(1, len(lp) - 1):
+        a, b = int(lp[d]), int(lp[d + 1])
+        pc = cid[trie.node_parent[a:b]]
+        lab = nb[a:b]
+        ok = (pc >= 0) & (lab >= 0)
+        if not ok.any():
+            break
+        key = pc[ok].astype(np.int64) * K + lab[ok]
+        uk, inv = np.unique(key, return_inverse=True)
+        sub = cid[a:b]
+        sub[ok] = next_id + inv.reshape(-1)
+        parents.append(uk // K)
+        labels.append(uk % K)
+        next_id += len(uk)
+        if time.perf_counter() > deadline:
+            raise CompileBudgetError("regex compilation exceeded the time budget", None)
+    parent = np.concatenate(parents).astype(np.int32)
+    label = np.concatenate(labels).astype(np.int32)
+    M = len(parent)
+    counts = np.bincount(parent[1:], minlength=M) if M > 1 else np.zeros(M, dtype=np.int64)
+    child_ptr = np.concatenate([[1], 1 + np.cumsum(counts)]).astype(np.int64)
+    return _ClassTrie(parent=parent, label=label, child_ptr=child_ptr, node_cid=cid)
+
+
+def _walk(
+    ct: _ClassTrie, group_of_cnode: np.ndarray, rep_byte: np.ndarray, table: np.ndarray,
+    sources: np.ndarray, deadline: float, max_edges: int,
+):
+    """Edges (src index, group, byte state) of all tokens from all ``sources`` (byte states)."""
+    src = np.arange(len(sources), dtype=np.int32)
+    node = np.zeros(len(sources), dtype=np.int32)
+    q = sources.astype(np.int32)
+    out_s, out_g, out_q = [], [], []
+    n_out = 0
+    cptr = ct.child_ptr
+    if len(rep_byte) == 0:  # no byte is ever accepted (the language is {ε})
+        e = np.zeros(0, dtype=np.int32)
+        return e, e, e
+    byte_of_cnode = rep_byte[np.maximum(ct.label, 0)]
+    while len(src):
+        lo = cptr[node]
+        cnt = (cptr[node + 1] - lo).astype(np.int64)
+        has = cnt > 0
+        if not has.all():
+            src, node, q, lo, cnt = src[has], node[has], q[has], lo[has], cnt[has]
+        if not len(src):
+            break
+        total = int(cnt.sum())
+        rep = np.repeat(np.arange(len(src)), cnt)
+        starts = np.cumsum(cnt) - cnt
+        child = (lo[rep] + (np.arange(total) - starts[rep])).astype(np.int32)
+        nq = table[q[rep], byte_of_cnode[child]]
+        ok = nq >= 0
+        src, node, q = src[rep][ok], child[ok], nq[ok]
+        g = group_of_cnode[node]
+        hit = g >= 0
+        if hit.any():
+            out_s.append(src[hit])
+            out_g.append(g[hit])
+            out_q.append(q[hit])
+            n_out += int(hit.sum())
+            if n_out > max_edges:
+                raise CompileBudgetError(
+                    f"token automaton exceeds {max_edges} group transitions", None
+                )
+        if time.perf_counter() > deadline:
+            raise CompileBudgetError("regex compilation exceeded the time budget", None)
+    if not out_s:
+        e = np.zeros(0, dtype=np.int32)
+        return e, e, e
+    return np.concatenate(out_s), np.concatenate(out_g), np.concatenate(out_q)
+
+
+def build_token_dfa(
+    bdfa: ByteDFA,
+    trie: TokenTrie,
+    byte_policy: str,
+    *,
+    deadline: float | None = None,
+    max_states: int = 50_000,
+    max_edges: int = 20_000_000,
+) -> TokenDFA:
+    """Compose the byte DFA with the detokenizer of ``trie`` under ``byte_policy`` (module docstring).
+
+    Args:
+        bdfa: the byte-level regex DFA (:func:`.regex_to_bytes.byte_dfa_table`).
+        trie: the tokenizer's :class:`TokenTrie`.
+        byte_policy: ``"all"``, ``"no_ascii_with_piece"`` or ``"canonical"`` (000 §4.3).
+
+    Returns:
+        The trimmed :class:`TokenDFA`.
+
+    Raises:
+        EmptyLanguageError: no token sequence spells a string of the language.
+        CompileBudgetError: budgets (states, edges, deadline) exceeded.
+    """
+    if deadline is None:
+        deadline = time.perf_counter() + 5.0
+    table = bdfa.table
+    V = trie.vocab_size
+    bcls, K, rep_byte = _byte_classes(table)
+    ct = _class_trie(trie, bcls, K, deadline)
+    M = len(ct.parent)
+    # groups = class nodes where at least one enabled token ends
+    mask = policy_token_mask(trie, byte_policy)
+    tok_cid = np.full(V, -1, dtype=np.int32)
+    has_node = mask & (trie.tok_node >= 0)
+    tok_cid[has_node] = ct.node_cid[trie.tok_node[has_node]]
+    tok_cid[tok_cid == 0] = -1  # empty spelling: never
+    gnodes = np.unique(tok_cid[tok_cid >= 0])
+    group_of_cnode = np.full(M, -1, dtype=np.int32)
+    group_of_cnode[gnodes] = np.arange(len(gnodes), dtype=np.int32)
+    token_group = np.where(tok_cid >= 0, group_of_cnode[np.maximum(tok_cid, 0)], -1).astype(np.int32)
+    G = len(gnodes)
+
+    # byte-fallback tokens under the canonical policy: one whole character out of `ranges`
+    bf_acc = None
+    bf_tok = None
+    if byte_policy == "canonical" and (trie.byte_fallback >= 0).any():
+        ranges = canonical_byte_ranges(trie)
+        if ranges:
+            bf_acc = _gadget((tuple(ranges),))  # int32[a, 256]: >=0 inner, -2 exit, -1 reject
+            bf_tok = trie.byte_fallback
+            has_bf = bf_tok >= 0
+            token_group[bf_tok[has_bf]] = G + np.flatnonzero(has_bf).astype(np.int32)
+            G += 256
+
+    # discover token states in rounds. Plain token states are byte states at a token boundary
+    # (array lookup); inner states (inside a byte-fallback character) are (byte state, acceptor state).
+    nb = table.shape[0]
+    plain_id = np.full(nb, -1, dtype=np.int64)
+    inner_id: dict = {}
+    keys_q: list = []  # byte state of each token state
+    keys_a: list = []  # acceptor state (-1 = plain)
+    n_states = 0
+
+    def new_plain(qs: np.ndarray) -> None:
+        nonlocal n_states
+        qs = np.unique(qs)
+        qs = qs[plain_id[qs] < 0]
+        if len(qs):
+            plain_id[qs] = np.arange(n_states, n_states + len(qs))
+            keys_q.extend(qs.tolist())
+            keys_a.extend([-1] * len(qs))
+            n_states += len(qs)
+            if n_states > max_states:
+                raise CompileBudgetError(f"token automaton exceeds {max_states} states", None)
+
+    def inner(q: int, a: int) -> int:
+        nonlocal n_states
+        j = inner_id.get((q, a))
+        if j is None:
+            j = inner_id[(q, a)] = n_states
+            keys_q.append(q)
+            keys_a.append(a)
+            n_states += 1
+        return j
+
+    new_plain(np.array([0], dtype=np.int64))
+    # walk from every character boundary at once (usually all reachable; unreachable ones are dropped)
+    new_plain(bdfa.char_entry.astype(np.int64))
+    done_upto = 0
+    E_s, E_g, E_n = [], [], []
+    while done_upto < n_states:
+        lo, hi = done_upto, n_states
+        done_upto = hi
+        ka = np.asarray(keys_a[lo:hi], dtype=np.int64)
+        kq = np.asarray(keys_q[lo:hi], dtype=np.int64)
+        plain_sel = np.flatnonzero(ka < 0)
+        if len(plain_sel):
+            srcs = kq[plain_sel]
+            s_i, g, nq = _walk(ct, group_of_cnode, rep_byte, table, srcs, deadline, max_edges)
+            if len(s_i):
+                new_plain(nq.astype(np.int64))
+                E_s.append(lo + plain_sel[s_i])
+                E_g.append(g.astype(np.int64))
+                E_n.append(plain_id[nq])
+        if bf_acc is not None:
+            # byte-fallback tokens, vectorized over the batch: (state i, byte b) pairs
+            rows = bf_acc[np.maximum(ka, 0)]  # [n, 256]
+            T = table[kq]  # [n, 256]
+            ok = (rows != -1) & (bf_tok >= 0)[None, :] & (T >= 0)
+            ii, bb = np.nonzero(ok)
+            if len(ii):
+                q2 = T[ii, bb].astype(np.int64)
+                r2 = rows[ii, bb].astype(np.int64)
+                ex = r2 <= -2
+                dst = np.empty(len(ii), dtype=np.int64)
+                if ex.any():
+                    new_plain(q2[ex])
+                    dst[ex] = plain_id[q2[ex]]
+                nin = np.flatnonzero(~ex)
+                if len(nin):
+                    for k, (x, y) in enumerate(zip(q2[nin].tolist(), r2[nin].tolist())):
+                        dst[nin[k]] = inner(x, y)
+                E_s.append(lo + ii.astype(np.int64))
+                E_g.append(token_group[bf_tok[bb]].astype(np.int64))
+                E_n.append(dst)
+    es = np.concatenate(E_s) if E_s else np.zeros(0, dtype=np.int64)
+    eg = np.concatenate(E_g) if E_g else np.zeros(0, dtype=np.int64)
+    en = np.concatenate(E_n) if E_n else np.zeros(0, dtype=np.int64)
+    kq_all = np.asarray(keys_q, dtype=np.int64)
+    ka_all = np.asarray(keys_a, dtype=np.int64)
+    acc_all = (ka_all < 0) & bdfa.final[kq_all]
+    es, eg, en, token_group, G = _merge_groups(es, eg, en, token_group, G, n_states)
+    return _finish(n_states, es, eg, en, acc_all, token_group, G, kq_all.astype(np.int32))
+
+
+def _merge_groups(es, eg, en, token_group, G, n_states):
+    """Merge groups that behave identically from every state (same set of (state, next state) pairs):
+    class strings that differ only in bytes no state along their paths tells apart (e.g. two words
+    inside a JSON string). Exact: candidate merges come from a hash of the pair sets and are verified.
+    Returns (es, eg, en, token_group, G) with edges deduplicated."""
+    if len(eg) == 0 or G <= 1:
+        return es, eg, en, token_group, G
+    rng = np.random.default_rng(7)
+    ra = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
+    rb = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
+    rc = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        h1 = ra[es] * (rb[en] | 1) + rc[en]
+        h2 = rb[es] * (rc[en] | 1) + ra[en]
+    order = np.argsort(eg, kind="stable")
+    g_sorted = eg[order]
+    starts = np.flatnonzero(np.concatenate([[True], g_sorted[1:] != g_sorted[:-1]]))
+    groups_present = g_sorted[starts]
+    with np.errstate(over="ignore"):
+        s1 = np.add.reduceat(h1[order], starts)
+        s2 = np.add.reduceat(h2[order], starts)
+    cnt = np.diff(np.concatenate([starts, [len(order)]]))
+    o = np.lexsort((cnt, s2, s1))
+    diff = np.concatenate([[True], (s1[o][1:] != s1[o][:-1]) | (s2[o][1:] != s2[o][:-1]) | (cnt[o][1:] != cnt[o][:-1])])
+    inv = np.empty(len(o), dtype=np.int64)
+    inv[o] = np.cumsum(diff) - 1
+    newg = np.full(G, -1, dtype=np.int64)
+    newg[groups_present] = inv
+    n_new = int(inv.max()) + 1 if len(inv) else 0
+    if n_new == len(groups_present):
+        return es, eg, en, token_group, G
+    # verify: within each merged group every member has exactly the same pair set
+    members = np.bincount(inv, minlength=n_new)
+    ng = newg[eg]
+    S = np.int64(n_states)
+    trip = (ng * S + es) * S + en
+    uk, tcount = np.unique(trip, return_counts=True)
+    u_en = uk % S
+    u_es = (uk // S) % S
+    u_g = uk // (S * S)
+    if not np.array_equal(tcount, members[u_g]):  # a hash collision: keep the fine groups
+        return es, eg, en, token_group, G
+    tg = np.where(token_group >= 0, newg[np.maximum(token_group, 0)], -1)
+    tg = np.where(tg >= 0, tg, -1).astype(np.int32)
+    return u_es, u_g, u_en, tg, n_new
+
+
+def _finish(S_all, es, eg, en, acc_all, token_group, G, byte_state) -> TokenDFA:
+    """Restrict to states reachable from 0 that reach an accepting state; renumber in BFS order;
+    sort edges by (state, group)."""
+    # reachability from 0
+    order = np.argsort(es, kind="stable")
+    es, eg, en = es[order], eg[order], en[order]
+    ptr = np.zeros(S_all + 1, dtype=np.int64)
+    np.cumsum(np.bincount(es, minlength=S_all), out=ptr[1:])
+    # co-accessibility (reverse BFS from accepting), vectorized by frontier
+    alive = acc_all.copy()
+    rorder = np.argsort(en, kind="stable")
+    r_src = es[rorder]
+    r_ptr = np.zeros(S_all + 1, dtype=np.int64)
+    np.cumsum(np.bincount(en, minlength=S_all), out=r_ptr[1:])
+    frontier = np.flatnonzero(alive)
+    while len(frontier):
+        lo, hi = r_ptr[frontier], r_ptr[frontier + 1]
+        cnt = hi - lo
+        if cnt.sum() == 0:
+            break
+        rep = np.repeat(np.arange(len(frontier)), cnt)
+        idx = lo[rep] + (np.arange(int(cnt.sum())) - (np.cumsum(cnt) - cnt)[rep])
+        pred = np.unique(r_src[idx])
+        pred = pred[~alive[pred]]
+        alive[pred] = True
+        frontier = pred
+    if not alive[0]:
+        raise EmptyLanguageError(
+            "no token sequence satisfies the constraint (empty under the vocabulary and filters)", None
+        )
+    keep = alive[en] & alive[es]
+    es, eg, en = es[keep], eg[keep], en[keep]
+    ptr = np.zeros(S_all + 1, dtype=np.int64)
+    np.cumsum(np.bincount(es, minlength=S_all), out=ptr[1:])
+    # forward BFS from 0 (vectorized), BFS numbering
+    new_id = np.full(S_all, -1, dtype=np.int64)
+    new_id[0] = 0
+    n = 1
+    frontier = np.array([0], dtype=np.int64)
+    while len(frontier):
+        lo, hi = ptr[frontier], ptr[frontier + 1]
+        cnt = hi - lo
+        tot = int(cnt.sum())
+        if tot == 0:
+            break
+        rep = np.repeat(np.arange(len(frontier)), cnt)
+        idx = lo[rep] + (np.arange(tot) - (np.cumsum(cnt) - cnt)[rep])
+        succ = en[idx]
+        _, first_pos = np.unique(succ, return_index=True)
+        cand = succ[np.sort(first_pos)]
+        cand = cand[new_id[cand] < 0]
+        new_id[cand] = np.arange(n, n + len(cand))
+        n += len(cand)
+        frontier = cand
+    keep = new_id[es] >= 0
+    es, eg, en = new_id[es[keep]], eg[keep], new_id[en[keep]]
+    order = np.lexsort((eg, es))
+    es, eg, en = es[order], eg[order], en[order]
+    S = n
+    edge_ptr = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(np.bincount(es, minlength=S), out=edge_ptr[1:])
+    old_of_new = np.empty(S, dtype=np.int64)
+    sel = np.flatnonzero(new_id >= 0)
+    old_of_new[new_id[sel]] = sel
+    return TokenDFA(
+        num_states=S, accepting=acc_all[old_of_new], edge_ptr=edge_ptr, edge_group=eg.astype(np.int32),
+        edge_next=en.astype(np.int32), token_group=token_group, num_groups=G,
+        byte_state=byte_state[old_of_new],
+    )
+
+
+# --- pynini views (tests / reference path) ----------------------------------------------------------
+
+
+def token_dfa_to_fst(tdfa: TokenDFA):
+    """Expand a :class:`TokenDFA` into a pynini acceptor over token labels (``token + 1``). Slow:
+    one arc per (state, token); for tests on small automata."""
+    import pynini
+
+    one = pynini.Weight.one("tropical")
+    ptr, toks = tdfa.group_tokens()
+    f = pynini.Fst()
+    f.add_states(tdfa.num_states)
+    f.set_start(0)
+    for s in range(tdfa.num_states):
+        if tdfa.accepting[s]:
+            f.set_final(s)
+        for e in range(int(tdfa.edge_ptr[s]), int(tdfa.edge_ptr[s + 1])):
+            g = int(tdfa.edge_group[e])
+            nxt = int(tdfa.edge_next[e])
+            for t in toks[ptr[g] : ptr[g + 1]].tolist():
+                f.add_arc(s, pynini.Arc(t + 1, t + 1, one, nxt))
+    f.arcsort("ilabel")
+    return f
+
+
+def reference_token_fst(byte_fst, detokenizer):
+    """The pynini path of 001 Alg. 2: ``byte_fst ∘ detokenizer``, projected on the output (tokens),
+    ε-removed, determinized and minimized. ``byte_fst``: acceptor over byte labels."""
+    import pynini
+
+    a = byte_fst.copy()
+    a.arcsort("olabel")
+    c = pynini.compose(a, detokenizer)
+    c.project("output")
+    c.rmepsilon()
+    c = pynini.determinize(c).minimize()
+    c.arcsort("ilabel")
+    return c
