@@ -56,10 +56,10 @@ def run_one(name: str, path: Path) -> dict:
     files = manifest["files"]
     size = sum(f["size"] for f in files.values())
     canon = sum(f["size"] for n, f in files.items() if n.startswith("canon_"))
-    stats = manifest.get("canonical_stats", {})
+    summary = manifest.get("summary", {})
     return dict(name=name, vocab=manifest["vocab_size"], seconds=wall, peak_mb=peak_mb, mb=size / 1e6,
-                canon_mb=canon / 1e6, classes=stats.get("n_classes"),
-                banned=stats.get("banned_pairs_class_level"), out=str(out))
+                canon_mb=canon / 1e6, classes=summary.get("n_classes"),
+                banned=summary.get("banned_pairs"), out=str(out))
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """Helpers shared by test_compiler.py and test_matcher.py: artifacts fixtures, a random-regex
 generator, random walks and checks on compiled automata.
 
-Hypothesis: few examples by default; ``HYPOTHESIS_PROFILE=thorough`` runs many more.
+Hypothesis: few examples by default (``FST_SETTINGS``, applied per test); ``HYPOTHESIS_PROFILE=thorough``
+runs 300 per test.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-settings.register_profile(
-    "fst-default", max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
-)
-settings.register_profile("thorough", max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fst-default"))
+# Applied per test (not as a global profile, so other test modules keep their own settings).
+if os.environ.get("HYPOTHESIS_PROFILE") == "thorough":
+    FST_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+else:
+    FST_SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 TOKENIZERS = ["smollm2", "mistral_v1"]
 

@@ -24,6 +24,7 @@ import time
 import numpy as np
 import pytest
 from fst_testlib import (  # noqa: F401  (fixtures)
+    FST_SETTINGS,
     TOKENIZERS,
     check_coaccessible,
     check_no_dead_ends_explicit,
@@ -61,6 +62,7 @@ def _accepts(c, ids) -> bool:
 
 @pytest.mark.parametrize("name", TOKENIZERS)
 @pytest.mark.parametrize("canonical", [True, False], ids=["canonical", "any"])
+@FST_SETTINGS
 @given(regex=regex_strategy(), seed=st.integers(0, 2**16))
 def test_random_regexes(fst_artifacts, fst_infos, name, canonical, regex, seed):
     arts, info = fst_artifacts(name), fst_infos(name)

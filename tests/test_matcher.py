@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from fst_testlib import (  # noqa: F401  (fixtures)
+    FST_SETTINGS,
     TOKENIZERS,
     decode_text,
     fst_artifacts,
@@ -134,6 +135,7 @@ def test_fill_bitmask(fst_artifacts, name, regex):
 
 @pytest.mark.parametrize("name", TOKENIZERS)
 @pytest.mark.parametrize("canonical", [True, False], ids=["canonical", "any"])
+@FST_SETTINGS
 @given(regex=regex_strategy(), seed=st.integers(0, 2**16), junk=st.text(min_size=1, max_size=4))
 def test_matcher_on_random_strings(fst_artifacts, fst_infos, name, canonical, regex, seed, junk):
     """Matching strings: their canonical ids are accepted and EOS terminates; a non-matching string's
