@@ -15,5 +15,5 @@ def write_section(title: str, command: str, body: str, note: str = "") -> None:
     stamp = _dt.date.today().isoformat()
     section = f"## {title}\n\nCommand: `{command}` ({stamp})\n\n{body}\n" + (f"\n{note}\n" if note else "")
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
-    text = pattern.sub(section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    text = pattern.sub(lambda _m: section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
     BENCH_MD.write_text(text)

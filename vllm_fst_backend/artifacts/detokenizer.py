@@ -142,9 +142,14 @@ def canonical_byte_codepoints(info) -> list[tuple[int, int]]:
     spelt by bytes). Empty when the tokenizer has no byte fallback."""
     if not info.byte_fallback:
         return []
-    byte_ids = _byte_token_ids(info)
+    return byte_fallback_codepoints(info.token_bytes, _byte_token_ids(info))
+
+
+def byte_fallback_codepoints(token_bytes, byte_ids) -> list[tuple[int, int]]:
+    """The ranges of :func:`canonical_byte_codepoints` from ``token_bytes`` (list of bytes or None) and
+    the set ``byte_ids`` of byte-fallback token ids (shared with the compiler's token trie)."""
     excluded = {SP_SPACE_CODEPOINT, *range(SURROGATES[0], SURROGATES[1] + 1)}
-    for i, tb in enumerate(info.token_bytes):
+    for i, tb in enumerate(token_bytes):
         if tb is None or i in byte_ids or len(tb) > 4:
             continue
         try:

@@ -19,9 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SP_SPACE_CODEPOINT = 0x2581
-MAX_CODEPOINT = 0x10FFFF
-SURROGATES = (0xD800, 0xDFFF)
 
 
 @dataclass
@@ -161,36 +158,10 @@ def policy_token_mask(trie: TokenTrie, byte_policy: str) -> np.ndarray:
 
 
 def canonical_byte_ranges(trie: TokenTrie) -> list[tuple[int, int]]:
-    """Code points that SentencePiece spells with byte-fallback tokens: every scalar value that is not
-    a single-character normal piece, minus U+2581 (same as ``detokenizer.canonical_byte_codepoints``).
-    Empty when there is no byte fallback."""
+    """Code points that SentencePiece spells with byte-fallback tokens (see
+    ``detokenizer.canonical_byte_codepoints``). Empty when there is no byte fallback."""
     if not (trie.byte_fallback >= 0).any():
         return []
-    bf_ids = set(int(x) for x in trie.byte_fallback if x >= 0)
-    excluded = {SP_SPACE_CODEPOINT}
-    for i, tb in enumerate(trie.token_bytes):
-        if tb is None or i in bf_ids or len(tb) > 4:
-            continue
-        try:
-            s = tb.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if len(s) == 1:
-            excluded.add(ord(s))
-    ranges: list[tuple[int, int]] = []
-    cuts = sorted(excluded | {SURROGATES[0]})
-    lo = 0
-    for x in cuts:
-        if x == SURROGATES[0]:
-            if lo < x:
-                ranges.append((lo, x - 1))
-            lo = max(lo, SURROGATES[1] + 1)
-            continue
-        if x < lo:
-            continue
-        if x > lo:
-            ranges.append((lo, x - 1))
-        lo = x + 1
-    if lo <= MAX_CODEPOINT:
-        ranges.append((lo, MAX_CODEPOINT))
-    return ranges
+    from ..artifacts.detokenizer import byte_fallback_codepoints
+
+    return byte_fallback_codepoints(trie.token_bytes, set(int(x) for x in trie.byte_fallback if x >= 0))
