@@ -1,4 +1,5 @@
-"""Shared helper of the benchmark scripts: write one section of ``docs/benchmarks.md``."""
+"""Shared pieces of the benchmark scripts: the paper-001 JSON-object schema and writing one section of
+``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -17,3 +18,26 @@ def write_section(title: str, command: str, body: str, note: str = "") -> None:
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _m: section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
     BENCH_MD.write_text(text)
+
+
+# Paper 001 App. C.4.5: the JSON-object schema (an RPG character), used by bench_compile and bench_e2e.
+JSON_OBJECT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "class": {"type": "string", "enum": ["Warrior", "Rogue", "Sorceror"]},
+        "life": {"type": "integer"},
+        "mana": {"type": "integer"},
+        "equipment": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "durability": {"type": "integer"},
+                    "quality": {"type": "string", "enum": ["Normal", "Magic", "Unique"]},
+                },
+            },
+        },
+    },
+}

@@ -36,27 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scripts.bench_common import JSON_OBJECT_SCHEMA  # noqa: E402
+
 COLORS = ["Red", "Orange", "Yellow", "Green", "Blue", "Indigo", "Violet"]
-JSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "class": {"type": "string", "enum": ["Warrior", "Rogue", "Sorceror"]},
-        "life": {"type": "integer"},
-        "mana": {"type": "integer"},
-        "equipment": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string"},
-                    "durability": {"type": "integer"},
-                    "quality": {"type": "string", "enum": ["Normal", "Magic", "Unique"]},
-                },
-            },
-        },
-    },
-}
+JSON_SCHEMA = JSON_OBJECT_SCHEMA
+
 _TYPES = "Bug|Dark|Dragon|Electric|Fairy|Fighting|Fire|Flying|Ghost|Grass|Ground|Ice|Normal|Poison|Psychic|Rock|Steel|Stellar|Water"
 _ABIL = "Overgrow|Blaze|Torrent|Shield Dust|Intimidate|Levitate|Pressure|Static"
 POKEDEX = (

@@ -54,6 +54,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from scripts.bench_common import JSON_OBJECT_SCHEMA  # noqa: E402
+
 MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 FST_PROPOSER = "vllm_fst_backend.vllm_plugin.FstForcedTokenProposer"
 ALL_BACKENDS = ("fst", "fst-jump", "xgrammar", "guidance", "outlines", "lm-format-enforcer", "unconstrained")
@@ -97,26 +99,8 @@ POKEDEX_REGEX = (
 POKEDEX_PROMPT = "Write the Pokedex entry of a Pokemon as a JSON object (alias, description, type, height, weight, evolution stage, legendary, abilities)."
 
 # Paper 001 App. C.4.5.
-RPG_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "class": {"type": "string", "enum": ["Warrior", "Rogue", "Sorceror"]},
-        "life": {"type": "integer"},
-        "mana": {"type": "integer"},
-        "equipment": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string"},
-                    "durability": {"type": "integer"},
-                    "quality": {"type": "string", "enum": ["Normal", "Magic", "Unique"]},
-                },
-            },
-        },
-    },
-}
+RPG_SCHEMA = JSON_OBJECT_SCHEMA
+
 RPG_PROMPT = "Create a role-playing game character as a JSON object with name, class, life, mana and equipment."
 
 

@@ -508,22 +508,9 @@ def tokenizer_name(tokenizer: str | os.PathLike) -> str:
     A hub id ``org/name`` (not on disk): ``org--name``."""
     s = str(tokenizer)
     if Path(s).exists():
-        try:
-            from vllm_fst_backend.artifacts.build import default_name
+        from vllm_fst_backend.artifacts.build import default_name
 
-            return default_name(s)
-        except ImportError:  # builder not importable: same rule, restated
-            p = Path(s).resolve()
-            if p.is_dir():
-                return p.name
-            if p.name in ("tokenizer.json", "tekken.json", "tokenizer.model"):
-                return p.parent.name
-            name = p.name
-            for suffix in (".json", ".model"):
-                if name.endswith(suffix):
-                    name = name[: -len(suffix)]
-                    break
-            return name.replace(".", "_") or "tokenizer"
+        return default_name(s)
     return _NAME_SANITIZE.sub("_", s.strip("/").replace("/", "--")).strip("._") or "tokenizer"
 
 
