@@ -88,7 +88,8 @@ def main(argv=None) -> int:
     if not args.no_write:
         cmd = "python scripts/bench_artifacts.py" + (f" --only {args.only}" if args.only != "smollm2,mistral_v1,tekken" else "")
         write_section("Artifact build", cmd, table, note=f"machine: {platform.machine()}, "
-                      f"{__import__('os').cpu_count()} cores; peak RSS is the largest child process.")
+                      f"{__import__('os').cpu_count()} cores. Peak RSS is getrusage(RUSAGE_CHILDREN), the largest child "
+                      "so far (a later row is bounded below by the rows before it).")
     return 0
 
 
