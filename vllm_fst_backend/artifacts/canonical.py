@@ -53,6 +53,12 @@ continues the same punctuation chunk gets the wrong left context, and the filter
 (canonical) sequence: measured on real code with emoji escapes, tests/test_canonical.py. Token sequences
 that the filter accepts are still canonical (the random walks).
 
+Known limitation 2: the left context is ONE character (the previous token's last). Tekken's regex can
+start a chunk earlier -- the punctuation run "','$" followed by combining marks (Mn counts as a letter
+at a chunk start but as punctuation inside a run) -- so the pair after such a token can be judged as
+if its chunk started at "$": measured 1 of 10,000 random walks (tests/test_canonical.py). A context of
+the chunk's start (more characters) would make it exact.
+
 SentencePiece byte-fallback tokens never merge (they stand for characters outside the
 vocabulary), so they are never in conflict; which bytes may use them is decided by the detokenizer's
 "canonical" byte policy.
