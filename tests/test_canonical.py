@@ -105,7 +105,6 @@ def test_random_pairs_match_oracle(canon):
 def test_adjacent_pairs_of_real_text_match_oracle(canon, real_lines):
     """Hard pairs: tokens that really occur next to each other, re-paired with their neighbours' neighbours."""
     info, cf = canon
-    rng = random.Random(2)
     seen = 0
     disagreements = []
     for line in real_lines[::7]:

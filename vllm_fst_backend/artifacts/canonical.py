@@ -67,7 +67,6 @@ vocabulary), so they are never in conflict; which bytes may use them is decided 
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 import unicodedata
 from dataclasses import dataclass, field
@@ -556,7 +555,6 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     lptr = np.searchsorted(ys, np.arange(V + 1))
     neg_ds = -ds  # ascending within each y block
     # merges by left token, sorted by rank
-    by_left: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     ml = np.array([(a, b, r) for (a, b), (r, _) in info.merges.items()], dtype=np.int64).reshape(-1, 3)
     ml = ml[np.lexsort((ml[:, 2], ml[:, 0]))]
     mptr = np.searchsorted(ml[:, 0], np.arange(V + 1))

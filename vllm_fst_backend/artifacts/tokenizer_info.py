@@ -270,7 +270,7 @@ def _load_sentencepiece(p: Path, raw: bytes) -> TokenizerInfo:
         )
     prepend = bool(ns.add_dummy_prefix)
     allow_ws_only = bool(m.trainer_spec.allow_whitespace_only_pieces)
-    NORMAL, UNKNOWN, CONTROL, USER, BYTE, UNUSED = 1, 2, 3, 4, 6, 5
+    NORMAL, USER, BYTE = 1, 4, 6  # ModelProto.SentencePiece.Type; the rest are special/control
     V = len(m.pieces)
     token_bytes: list[bytes | None] = [None] * V
     piece_id: dict[str, int] = {}

@@ -533,7 +533,6 @@ class _Analysis:
             return np.zeros(len(k_arr), dtype=bool)
         allowed = ~H.bcol(v)[k_arr]
         cv_arr = H.next_cls(k_arr, v)  # class reached, per previous class
-        cv = int(cv_arr[0]) if len(k_arr) else 0
         j = int(H.j_of[v])
         a2 = int(self.bf_start[v]) if H.tok_bf_byte[v] >= 0 else -3
         if a2 >= 0:
@@ -567,7 +566,6 @@ class _Analysis:
         # witness candidates: the best token of each (edge group, lookahead class) whose successor
         # (target state, its class, ALL) is good
         wc = self.best[gs]  # [E, L]
-        wt = np.repeat(ts.astype(np.int64)[:, None], wc.shape[1], axis=1)
         okw = wc >= 0
         tt = self.tag[ts]
         if okw.any() and (tt != 0).any():
