@@ -57,9 +57,11 @@ def run_one(name: str, path: Path) -> dict:
     size = sum(f["size"] for f in files.values())
     canon = sum(f["size"] for n, f in files.items() if n.startswith("canon_"))
     summary = manifest.get("summary", {})
+    canon_sum = summary.get("canonical") or {}
     return dict(name=name, vocab=manifest["vocab_size"], seconds=wall, peak_mb=peak_mb, mb=size / 1e6,
                 canon_mb=canon / 1e6, classes=summary.get("n_classes"),
-                banned=summary.get("banned_pairs"), out=str(out))
+                banned=summary.get("banned_pairs"), ctx=canon_sum.get("n_context_groups"),
+                ctx_found=canon_sum.get("n_context_prefixes"), ctx_tokens=canon_sum.get("n_context_tokens"), out=str(out))
 
 
 def main(argv=None) -> int:
@@ -74,14 +76,16 @@ def main(argv=None) -> int:
         rows.append(r)
         print(json.dumps(r), flush=True)
     lines = [
-        "| tokenizer | V | build s (target) | on disk MB (target) | canonical arrays MB | classes | banned pairs (class level) | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tokenizer | V | build s (target) | on disk MB (target) | canonical arrays MB | classes | banned pairs (class level) "
+        "| context states (found → minimal) | context-dependent tokens | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ts, tm = TARGETS[r["name"]]
         lines.append(
             f"| {r['name']} | {r['vocab']} | {r['seconds']:.0f} (≤ {ts}) | {r['mb']:.1f}"
-            f"{f' (≤ {tm})' if tm else ''} | {r['canon_mb']:.1f} | {r['classes']} | {r['banned']} | {r['peak_mb']:.0f} |"
+            f"{f' (≤ {tm})' if tm else ''} | {r['canon_mb']:.1f} | {r['classes']} | {r['banned']} "
+            f"| {r['ctx_found']} → {r['ctx']} | {r['ctx_tokens']} | {r['peak_mb']:.0f} |"
         )
     table = "\n".join(lines)
     print(table)

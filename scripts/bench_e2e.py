@@ -40,7 +40,6 @@ import os
 import random
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -55,6 +54,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from scripts.bench_common import JSON_OBJECT_SCHEMA  # noqa: E402
+from scripts.vllm_server import running_server  # noqa: E402
 
 MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 FST_PROPOSER = "vllm_fst_backend.vllm_plugin.FstForcedTokenProposer"
@@ -331,48 +331,14 @@ def server_command(backend: str, port: int, jump_k: int, extra: list[str], eager
 def vllm_server(
     backend: str, port: int, log_path: Path, jump_k: int, extra: list[str], timeout: float, artifacts: Path | None = None, eager: bool = True
 ):
-    """Start the server, wait for /health, yield (base_url, seconds to ready); always kill the group."""
-    import requests
-
+    """Start the server, wait for /health, yield (base_url, seconds to ready, proc); always kill the group.
+    Raises :class:`scripts.vllm_server.ServerStartError` when it does not come up."""
     cmd = server_command(backend, port, jump_k, extra, eager)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), HF_HUB_OFFLINE="1")
     if backend.startswith("fst") and artifacts is not None:
         env["VLLM_FST_ARTIFACTS_DIR"] = str(artifacts)
-    log = open(log_path, "w")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{backend} server exited with {proc.returncode}:\n{_tail(log_path)}")
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"{backend} server not ready after {timeout:.0f} s:\n{_tail(log_path)}")
-            time.sleep(1)
-        yield base, time.monotonic() - t0, proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)  # the group this function created
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-
-
-def _tail(path: Path, n: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
+    with running_server(cmd, port, env, log_path, timeout, cwd=REPO_ROOT, name=backend) as got:
+        yield got
 
 
 def scrape_metrics(base: str) -> dict[str, float]:

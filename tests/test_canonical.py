@@ -34,6 +34,11 @@ def _site_packages() -> Path:
 @pytest.fixture(scope="session")
 def real_lines() -> list[str]:
     """Real multilingual lines (pycountry's .mo translations) and real code lines (rich's sources)."""
+    return load_real_lines()
+
+
+def load_real_lines() -> list[str]:
+    """See :func:`real_lines`."""
     sp = _site_packages()
     lines: list[str] = []
     for f in sorted(glob.glob(str(sp / "pycountry/locales/*/LC_MESSAGES/*.mo"))):
@@ -56,6 +61,11 @@ def real_lines() -> list[str]:
 @pytest.fixture(scope="session")
 def code_blocks() -> list[str]:
     """Multi-line blocks of real code (newline runs, indentation, tabs)."""
+    return load_code_blocks()
+
+
+def load_code_blocks() -> list[str]:
+    """See :func:`code_blocks`."""
     sp = _site_packages()
     blocks = []
     for f in sorted(glob.glob(str(sp / "rich/*.py")))[:20]:
@@ -138,40 +148,20 @@ def _first_rejection(cf, ids) -> int | None:
     return None if S & cf.end_bit else len(ids)
 
 
-def _ends_split(info, t: int) -> bool:
-    try:
-        info.token_bytes[t].decode("utf-8")
-        return False
-    except UnicodeDecodeError:
-        return True
-
-
 def test_real_text_is_accepted(canon, real_lines, code_blocks):
-    """Every line's canonical tokenization is accepted.
-
-    Known limitation (Tekken only, documented in canonical.py): a token ending inside a split UTF-8
-    character is given a letter as its representative; when the next token continues the same
-    pre-token chunk as a *punctuation* run (an emoji's last bytes, then a backslash), the left context
-    of the following pair is wrong. Such rejections must be judged with a split character as left
-    context; any other rejection fails."""
+    """Every line's canonical tokenization is accepted: multilingual lines, code lines and multi-line
+    code blocks (emoji escapes, box drawing, newline runs, indentation)."""
     info, cf = canon
     size = 0
-    rejected, unexplained = [], []
+    rejected = []
     for line in real_lines + code_blocks:
         size += len(line.encode())
         ids = info.encode(_prefix(info) + line)
         i = _first_rejection(cf, ids)
-        if i is None:
-            continue
-        rejected.append(line)
-        # the pair (ids[i-1], ids[i]) is judged with the left context of ids[i-2]: a split character
-        if not (info.kind == "tekken" and 1 < i < len(ids) and _ends_split(info, ids[i - 2])):
-            unexplained.append((line, [info.token_bytes[t] for t in ids[max(0, i - 2) : i + 1]]))
+        if i is not None:
+            rejected.append((line, [info.token_bytes[t] for t in ids[max(0, i - 2) : i + 1]]))
     assert size >= 1_000_000
-    assert not unexplained, unexplained[:10]
-    if info.kind != "tekken":
-        assert not rejected
-    print(f"{info.kind}: {len(rejected)} of {len(real_lines) + len(code_blocks)} lines rejected")
+    assert not rejected, (len(rejected), rejected[:10])
 
 
 def test_split_character_pairs_in_real_text(canon, real_lines):
@@ -192,9 +182,7 @@ def test_split_character_pairs_in_real_text(canon, real_lines):
                     break
         else:
             continue
-        i = _first_rejection(cf, ids)
-        # the only refusals allowed are test_real_text_is_accepted's documented Tekken case
-        assert i is None or (info.kind == "tekken" and 1 < i < len(ids) and _ends_split(info, ids[i - 2])), line
+        assert _first_rejection(cf, ids) is None, line
     if info.kind == "sentencepiece_bpe":
         assert n_split > 0  # byte-fallback characters occur in the corpus
     else:
@@ -246,30 +234,10 @@ def test_random_walks_roundtrip(canon):
         enc = info.encode(text)
         if enc == ids:
             roundtrip += 1
-        elif not _long_left_context(info, ids, enc):
+        else:
             failures.append(([info.token_bytes[i] for i in ids], [info.token_bytes[i] for i in enc]))
-    # Known limitation (Tekken; canonical.py docstring): the left context is one character, so a chunk
-    # that starts two or more characters before the previous token (a punctuation run "','$" before a
-    # combining mark) can be judged as if it started later. Such walks are counted, not failed; every
-    # other divergence fails, and they stay rare.
-    assert not failures, (roundtrip / walks, failures[:5])
-    assert roundtrip / walks >= (0.999 if info.kind == "tekken" else 1.0)
-
-
-def _long_left_context(info, ids: list[int], enc: list[int]) -> bool:
-    """Whether the first divergence of ``ids`` from the tokenizer's ``enc`` lies in a pre-token chunk
-    that starts two or more characters before the token preceding the divergence (Tekken only)."""
-    if info.kind != "tekken":
-        return False
-    i = next(k for k, (a, b) in enumerate(zip(ids + [-1], enc + [-1])) if a != b)
-    if i < 1:
-        return False
-    text = info.decode_bytes(ids).decode("utf-8")
-    start_prev = len(info.decode_bytes(ids[: i - 1]).decode("utf-8", errors="ignore"))
-    for s, e in info.chunk_spans(text):
-        if s <= start_prev < e:
-            return start_prev - s >= 2
-    return False
+    assert not failures, (roundtrip / walks, len(failures), failures[:5])
+    assert roundtrip == walks
 
 
 @pytest.mark.parametrize("V", [32000, 49152, 131072])

@@ -22,9 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -128,33 +126,14 @@ def server(request, tmp_path_factory):
         VLLM_FST_AUTO_BUILD="0",
         PROMETHEUS_MULTIPROC_DIR=str(prom_dir),
     )
-    log = open(log_path, "w")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    from scripts.vllm_server import ServerStartError, running_server
+
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() - t0 > START_TIMEOUT_S:
-                pytest.fail(f"vLLM server not ready after {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(2)
-        print(f"\nvLLM server ready in {time.monotonic() - t0:.0f} s (port {port}, log {log_path})")
-        yield types.SimpleNamespace(base=base, log=log_path, proc=proc, artifacts=artifacts, model=str(MODEL))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the group this fixture created (start_new_session)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+        with running_server(cmd, port, env, log_path, START_TIMEOUT_S, cwd=REPO_ROOT, poll_s=2.0) as (base, ready_s, proc):
+            print(f"\nvLLM server ready in {ready_s:.0f} s (port {port}, log {log_path})")
+            yield types.SimpleNamespace(base=base, log=log_path, proc=proc, artifacts=artifacts, model=str(MODEL))
+    except ServerStartError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")

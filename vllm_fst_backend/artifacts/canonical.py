@@ -40,24 +40,52 @@ exact with a refinement of the A_BPE state: state = (class of last token, S) whe
 canonical. ``la_sets[k, j]`` stores S for class k followed by whitespace-final token j; for other tokens
 S = ALL. EOS is allowed iff END ∈ S.
 
-Invalid UTF-8 joins (byte-level tokens that split a character)
---------------------------------------------------------------
-A pre-tokenizer never splits inside a character. So when the u|v junction falls inside a character,
-the junction is not a chunk boundary and the verdict is the merge rule alone; a partial character is
-represented by a letter of class Lo when computing chunk boundaries elsewhere in u+v. Joined bytes that
-are invalid UTF-8 in any other way never reach the output (the UTF-8 filter removes them), and get the
-same definition. Known limitation: the representative of a split character is a letter (class Lo), which is what most
-split characters are for the byte-level vocabularies (rare CJK). For Tekken, whose regex makes symbols
-(emoji, box drawing) *punctuation*, a token ending inside such a character followed by a token that
-continues the same punctuation chunk gets the wrong left context, and the filter refuses that
-(canonical) sequence: measured on real code with emoji escapes, tests/test_canonical.py. Token sequences
-that the filter accepts are still canonical (the random walks).
+Left context (the chunk-prefix automaton)
+-----------------------------------------
+A pair's chunk boundaries can also depend on text *before* u, when u continues a chunk that started
+earlier: Tekken's punctuation run ``','$`` followed by combining marks stays one run (marks are
+punctuation inside ``[^\\s\\p{L}\\p{N}]+``), but ``$`` followed by the same marks starts the letter
+alternative (``[^\\r\\n\\p{L}\\p{N}]?`` then marks). So the A_BPE state also carries a *context
+state*: the class of the text of the current chunk before the next token. Two chunk prefixes are the
+same state when the pre-tokenizer draws the same boundaries after them for every probe continuation
+(the 1-3 character heads of all representatives, the lookahead characters, the end of text): a
+Myhill-Nerode quotient with bounded probes, found breadth first, each state represented by the
+shortest prefix found. A token read in a state either starts a new chunk (the context does not reach
+it: its context-free verdicts hold) or continues the chunk: then its verdicts are computed with the
+state's prefix in front, and the state after it is the prefix extended by the token. The probes
+over-distinguish, so two reductions follow (both exact): fixes of (state, token) pairs no text
+reaches are dropped (:func:`_reachable_fixes`: after a chunk ``'`` the token ``ta`` is already banned
+by the previous token's row, contraction ``'t``), then the automaton is minimized (Moore partition
+refinement, :func:`_minimize_context`). Classes carry the state reached (``class_group``); tokens
+whose class depends on the state are listed in ``ctx_token_index``/``ctx_classes``; each costs the
+compiler a per-state check, so fewer is faster. The build summary gives the figures
+(``n_context_prefixes`` found, ``n_context_groups`` after minimization, ``n_context_tokens``).
 
-Known limitation 2: the left context is ONE character (the previous token's last). Tekken's regex can
-start a chunk earlier -- the punctuation run "','$" followed by combining marks (Mn counts as a letter
-at a chunk start but as punctuation inside a run) -- so the pair after such a token can be judged as
-if its chunk started at "$": measured 1 of 10,000 random walks (tests/test_canonical.py). A context of
-the chunk's start (more characters) would make it exact.
+Split characters (byte-level tokens that split a UTF-8 character)
+-----------------------------------------------------------------
+A pre-tokenizer never splits inside a character. A token ending inside a character gets a stand-in
+for it in its own row (:class:`_TailChars`: a character of the class with the most weight among the
+completions of its bytes, weighted by the vocabulary -- a symbol for ``F0`` and ``F0 9F``, emoji,
+which Tekken's regex treats as punctuation; a letter for ``E0 A4``); a token starting inside one
+continues that same character. At a junction inside a character neither side is a chunk boundary:
+the boundary before the character belongs to the left token, the one after it to the right token
+(``category`` in :func:`build_canonical_filter`). After such a token the context is a *pending
+state*: (the state before the character, the character's bytes so far), so the token that completes
+it completes it exactly -- Tekken spells ``❤️`` as ``E2`` ``9D`` ``A4`` ``EF`` ``B8`` ``8F``, one
+byte each, and the last byte decides that the character is U+FE0F, a mark, not the symbol most
+``EF ..`` characters are -- and is read as the completed character plus the rest of the token in
+the state before (the same string, so the same chunk spans). Pending states whose characters can
+still end the same ways (the coarse class of every completion a token can bring) are one state.
+Joined bytes that are invalid UTF-8 never reach the output (the UTF-8 filter removes them) and get
+the same definition.
+
+Remaining limits, both outside the random-walk and real-text tests' reach, documented not handled:
+(1) the boundary right *before* a character split across tokens is judged by the stand-in of the
+bytes its first token holds (``a`` then a token ``EF`` is judged as if ``EF ..`` were a symbol,
+though ``EF B8 8F`` is a mark that joins the letter run); (2) the pre-tokenizer's *lookahead* is tracked
+only for whitespace runs (above); Tekken's letter alternatives can also move a boundary back over an
+uppercase run (``中AB`` + ``c`` is one chunk, ``中AB`` + ``!`` is ``中`` ``AB``), which no bounded
+context sees.
 
 SentencePiece byte-fallback tokens never merge (they stand for characters outside the
 vocabulary), so they are never in conflict; which bytes may use them is decided by the detokenizer's
@@ -77,7 +105,7 @@ from .tokenizer_info import SP_SPACE, TokenizerInfo
 
 INF = np.iinfo(np.int64).max
 # Bumped whenever the filter's arrays or their meaning change (the build compares it: see build.py).
-CANONICAL_VERSION = 3
+CANONICAL_VERSION = 4
 BANNED, SPLIT, JOIN = 0, 1, 2
 _RUN_CAP = 3
 _PARTIAL_REP = "\u4e2d"  # 中, class Lo: stands for a character split across tokens
@@ -377,12 +405,107 @@ class _RepMapper:
         return "".join(out)
 
 
-def _surface_text(b: bytes, kind: str) -> tuple[str, bool, bool]:
-    """Decode token bytes; partial characters at either end become a Lo letter.
-    Returns (text, starts_partial, ends_partial)."""
+_COARSE_ATOMS = (r"\p{L}", r"\p{Lu}", r"\p{Ll}", r"\p{Lt}", r"\p{Lm}", r"\p{Lo}", r"\p{M}", r"\p{N}", r"\s")
+
+
+def _coarse_signature(c: str) -> tuple:
+    """What the pre-tokenizer regexes we support can tell about ``c``: the Unicode classes their
+    patterns name (GPT-2/Llama-3/Tekken: L and its subclasses, M, N, \\s) and the literal characters."""
+    import regex
+
+    global _COARSE_RE
+    try:
+        atoms = _COARSE_RE
+    except NameError:
+        atoms = _COARSE_RE = [regex.compile(a) for a in _COARSE_ATOMS]
+    return tuple(bool(a.match(c)) for a in atoms) + ((c if c in _SPECIAL_CHARS else None),)
+
+
+def _utf8_length(lead: int) -> int:
+    """Bytes of the UTF-8 character whose first byte is ``lead`` (1 for ASCII and stray bytes)."""
+    return 2 if 0xC0 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else 4 if lead >= 0xF0 else 1
+
+
+class _TailChars:
+    """Stand-in characters for UTF-8 characters split after their first 1-3 bytes (``lead``).
+
+    The stand-in is the first completion of the class (:func:`_coarse_signature`) with the largest
+    weight among the assigned characters that start with ``lead``. Weights come from the vocabulary,
+    the tokenizer's own evidence of what is common: a completion weighs the number of tokens that
+    contain it; when none does, each next byte ``x`` weighs the number of tokens containing the bytes
+    ``lead + x``, shared among the classes of its completions; without any evidence every code point
+    weighs 1. So ``F0`` and ``F0 9F`` get a symbol (emoji, punctuation to Tekken's regex, although most
+    code points after ``F0`` are CJK letters), ``E0 A4`` a letter. Exact whenever all completions share
+    a class; otherwise the minority completions are judged as the majority (module docstring,
+    "Remaining limits"). Cached per ``lead``."""
+
+    def __init__(self, token_bytes):
+        self._freq: dict[str, int] = {}
+        self._grams: dict[bytes, int] = {}
+        for b in token_bytes:
+            if not b:
+                continue
+            for c in set(b.decode("utf-8", errors="ignore")):
+                self._freq[c] = self._freq.get(c, 0) + 1
+            for q in {b[i : i + n] for n in (2, 3) for i in range(len(b) - n + 1) if b[i] >= 0xC0}:
+                self._grams[q] = self._grams.get(q, 0) + 1
+        self._classes_cache: dict[bytes, tuple] = {}
+        self._cache: dict[bytes, str] = {}
+
+    def _classes(self, lead: bytes) -> tuple[dict, dict, dict]:
+        """(code points per class, vocabulary weight per class, first completion per class)."""
+        got = self._classes_cache.get(lead)
+        if got is not None:
+            return got
+        rest = _utf8_length(lead[0]) - len(lead)
+        by_count: dict[tuple, int] = {}
+        by_freq: dict[tuple, int] = {}
+        first: dict[tuple, str] = {}
+        for k in range(64 ** max(rest, 0)):
+            tail = bytes(0x80 | ((k >> (6 * i)) & 0x3F) for i in reversed(range(rest)))
+            try:
+                c = (lead + tail).decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if unicodedata.category(c) in ("Cs", "Cn", "Co"):
+                continue
+            g = _coarse_signature(c)
+            by_count[g] = by_count.get(g, 0) + 1
+            by_freq[g] = by_freq.get(g, 0) + self._freq.get(c, 0)
+            first.setdefault(g, c)
+        got = self._classes_cache[lead] = (by_count, by_freq, first)
+        return got
+
+    def __call__(self, lead: bytes) -> str:
+        got = self._cache.get(lead)
+        if got is not None:
+            return got
+        by_count, by_freq, first = self._classes(lead)
+        weight = by_freq if any(by_freq.values()) else {}
+        if not weight and _utf8_length(lead[0]) - len(lead) >= 2:
+            for x in range(0x80, 0xC0):
+                n = self._grams.get(lead + bytes([x]), 0)
+                sub = self._classes(lead + bytes([x]))[0] if n else {}
+                total = sum(sub.values())
+                for g, m in sub.items():
+                    weight[g] = weight.get(g, 0) + n * m / total
+        weight = weight or by_count
+        out = first[max(weight, key=weight.get)] if weight else _PARTIAL_REP
+        self._cache[lead] = out
+        return out
+
+
+def _surface_text(b: bytes, tail_char) -> tuple[str, bytes, int, bytes]:
+    """Decode token bytes; partial characters at either end get a stand-in character.
+
+    Returns ``(text, lead, rem, tail)``: ``lead`` = the leading continuation bytes (up to 3; they
+    continue the previous token's character, stand-in :data:`_PARTIAL_REP`; the context state
+    completes that character with them), ``rem`` = bytes still missing from a trailing partial
+    character (0-3), ``tail`` = its bytes (its stand-in is ``tail_char(tail)``, see
+    :class:`_TailChars`)."""
     try:
         s = b.decode("utf-8")
-        return s, False, False
+        return s, b"", 0, b""
     except UnicodeDecodeError:
         pass
     # strip leading continuation bytes and a trailing incomplete sequence
@@ -393,12 +516,114 @@ def _surface_text(b: bytes, kind: str) -> tuple[str, bool, bool]:
     k = j - 1
     while k >= i and k > j - 4 and (b[k] & 0xC0) == 0x80:
         k -= 1
-    if k >= i and b[k] >= 0xC0:
-        need = 2 if b[k] < 0xE0 else 3 if b[k] < 0xF0 else 4
-        if j - k < need:
-            j = k
+    rem = 0
+    if k >= i and b[k] >= 0xC0 and j - k < _utf8_length(b[k]):
+        rem = _utf8_length(b[k]) - (j - k)
+        j = k
     mid = b[i:j].decode("utf-8", errors="replace")
-    return (_PARTIAL_REP if i else "") + mid + (_PARTIAL_REP if j < len(b) else ""), i > 0, j < len(b)
+    tail = tail_char(b[j:]) if rem else ""
+    return (_PARTIAL_REP if i else "") + mid + tail, b[:i], rem, b[j:]
+
+
+def _targets(spec) -> list[int]:
+    """States a successor spec names: a state, or {tail bytes: state} (see build_canonical_filter)."""
+    return list(spec.values()) if isinstance(spec, dict) else [spec]
+
+
+def _map_spec(spec, f):
+    return {k: f(v) for k, v in spec.items()} if isinstance(spec, dict) else f(spec)
+
+
+def _reachable_fixes(ctx_fix: dict, succ0: list[int], pending: list[int], lead: list[bool], cat: np.ndarray,
+                     cat_la: np.ndarray, ws_rep: list[int]) -> dict:
+    """Drop the fixes of (state, representative) pairs that no text reaches.
+
+    A pair (g, i) is reached when some reached pair (g', a) leads to g and does not ban i after a
+    (verdict not BANNED; for whitespace-final i, under some lookahead), and i is valid UTF-8 there
+    (it starts with continuation bytes exactly when g has a character pending). Most fixes found by
+    the probes are not: after a chunk ``'``, a token ``ta`` would be cut by the contraction ``'t``,
+    which the previous token's row already bans. Least fixpoint from the start of text (row R of
+    ``cat``); arguments as in :func:`build_canonical_filter` (``cat: uint8[R+1, R]``,
+    ``cat_la: uint8[R+1, n_ws, L+1]``)."""
+    R = cat.shape[1]
+    n_states = len(pending)
+    lead = np.asarray(lead, dtype=bool)
+    valid = np.array([lead if p else ~lead for p in pending])  # [G, R]
+    ws = np.asarray(ws_rep, dtype=np.int64)
+
+    def ok_row(row: np.ndarray, row_la: np.ndarray) -> np.ndarray:
+        ok = row != BANNED
+        if len(ws):
+            ok[ws] |= (row_la != BANNED).any(axis=1)
+        return ok
+
+    default_ok = np.stack([ok_row(cat[a], cat_la[a]) for a in range(R)])  # [R, R]
+    fixes_at: list[dict] = [{} for _ in range(n_states)]
+    for (g, i), f in ctx_fix.items():
+        fixes_at[g][i] = f
+    reached = np.zeros((n_states, R), dtype=bool)
+    reached[0] = ok_row(cat[R], cat_la[R]) & valid[0]
+    work = [0]
+    while work:
+        g = work.pop()
+        for a in np.flatnonzero(reached[g]).tolist():
+            f = fixes_at[g].get(a)
+            ok = default_ok[a] if f is None or f[0] is None else ok_row(f[0], f[1])
+            for t in _targets(succ0[a] if f is None else f[2]):
+                new = ok & valid[t] & ~reached[t]
+                if new.any():
+                    reached[t] |= new
+                    if t not in work:
+                        work.append(t)
+    return {(g, i): f for (g, i), f in ctx_fix.items() if reached[g, i]}
+
+
+def _minimize_context(ctx_fix: dict, succ0: list[int], n_states: int) -> tuple[dict, list[int], int]:
+    """Minimize the chunk-prefix automaton (Moore partition refinement, as in DFA minimization).
+
+    ``ctx_fix[(g, i)] = (row, row_la, succ)`` is where representative ``i`` read in state ``g`` differs
+    from reading it at a chunk start (verdict rows ``uint8[R]``/``uint8[J, L+1]`` or ``None`` for the
+    chunk-start ones; successor state, or {tail bytes: state} for representatives that end inside a
+    character); elsewhere the successor is ``succ0[i]``. Two states are
+    equivalent when every representative gets the same verdicts in both and leads to equivalent states:
+    the probes that found the states over-distinguish them, and every state that survives costs the
+    compiler (its tokens become context-dependent). Returns ``(ctx_fix, succ0, n_blocks)`` over block
+    ids, state 0 (chunk start) staying 0, with the fixes that no longer change anything dropped."""
+    def _key(spec):
+        return tuple(sorted(spec.items())) if isinstance(spec, dict) else spec
+
+    verdict: list[dict] = [{} for _ in range(n_states)]
+    succ_of: list[dict] = [{} for _ in range(n_states)]
+    for (g, i), (row, row_la, succ) in ctx_fix.items():
+        if row is not None:
+            verdict[g][i] = row.tobytes() + row_la.tobytes()
+        succ_of[g][i] = succ
+    fixed = sorted({i for _, i in ctx_fix})  # other representatives lead to succ0[i] from every state
+    ids: dict = {}
+    block = [ids.setdefault(tuple(sorted(verdict[g].items())), len(ids)) for g in range(n_states)]
+    while True:
+        ids = {}
+        new = [
+            ids.setdefault((block[g], tuple(_key(_map_spec(succ_of[g].get(i, succ0[i]), block.__getitem__)) for i in fixed)), len(ids))
+            for g in range(n_states)
+        ]
+        done = len(ids) == len(set(block))
+        block = new
+        if done:
+            break
+    # renumber so that the start state is block 0 (ids are assigned in state order: block[0] == 0)
+    first_of: dict[int, int] = {}
+    for g in range(n_states):
+        first_of.setdefault(block[g], g)
+    succ0 = [_map_spec(s, block.__getitem__) for s in succ0]
+    out: dict = {}
+    for (g, i), (row, row_la, succ) in ctx_fix.items():
+        if first_of[block[g]] != g:
+            continue
+        b = _map_spec(succ, block.__getitem__)
+        if row is not None or b != succ0[i]:
+            out[(block[g], i)] = (row, row_la, b)
+    return out, succ0, len(first_of)
 
 
 def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> CanonicalFilter:
@@ -418,13 +643,15 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         info.chunk_spans("'ll")
     ) != len(info.chunk_spans("'xx"))
     mapper = _RepMapper(kind, contractions)
+    tail_char = _TailChars(info.token_bytes)
     steps = tqdm(total=6, desc="canonical filter", disable=not progress, unit="step")
 
     # 1. standalone canonicality, merge trees and spines ------------------------------------------
     ok = np.zeros(V, dtype=bool)
     rspine: list[list] = [[] for _ in range(V)]
     lspine: list[list] = [[] for _ in range(V)]
-    reps: list[str | None] = [None] * V
+    reps: list[tuple | None] = [None] * V  # (representative text, lead bytes, rem): see _surface_text
+    tok_tail: list[bytes] = [b""] * V  # bytes of a trailing partial character
     first_rep: list[str | None] = [None] * V
     ws_final = np.zeros(V, dtype=bool)
     for t in range(V):
@@ -439,7 +666,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
                 continue
             ok[t] = True
             rspine[t] = lspine[t] = [(t, -1, INF)]
-            reps[t] = _PARTIAL_REP
+            reps[t] = (_PARTIAL_REP, b"", 0)
             first_rep[t] = _PARTIAL_REP
             continue
         try:
@@ -449,18 +676,18 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         final, nodes, seq = _bpe_tree(syms, info.merges)
         if final != [t]:
             continue
-        text, _, ends_partial = _surface_text(b, kind)
-        if not ends_partial and len(info.chunk_spans(text)) != 1:
+        text, lead, rem, tok_tail[t] = _surface_text(b, tail_char)
+        if not rem and len(info.chunk_spans(text)) != 1:
             continue
         ok[t] = True
         rspine[t], lspine[t] = _spines(nodes, seq[0])
-        reps[t] = mapper.text(text)
+        reps[t] = (mapper.text(text), lead, rem)
         first_rep[t] = mapper.char(text[0])
-        ws_final[t] = (not ends_partial) and text[-1].isspace()
+        ws_final[t] = (not rem) and text[-1].isspace()
     steps.update()
 
     # 2. pre-tokenizer categories over representative strings ------------------------------------
-    rep_ids: dict[str, int] = {}
+    rep_ids: dict[tuple, int] = {}
     tok_rep = np.full(V, -1, dtype=np.int32)
     for t in np.flatnonzero(ok):
         tok_rep[t] = rep_ids.setdefault(reps[t], len(rep_ids))
@@ -476,18 +703,42 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         la_first[t] = la_index[first_rep[t]]
     ws_rep = sorted({int(tok_rep[t]) for t in np.flatnonzero(ws_final & ok)})
     ws_rep_pos = {r: i for i, r in enumerate(ws_rep)}
+    EMPTY = ("", b"", 0)
+    NO_CTX = ("", 0)
+    rep_tails: list[set] = [set() for _ in range(R)]
+    for t in np.flatnonzero(ok):
+        if tok_tail[t]:
+            rep_tails[int(tok_rep[t])].add(tok_tail[t])
 
-    def category(a: str, b: str, look: str = "", pre: str = "") -> int:
-        """Chunk category of the junction of ``a``|``b`` in ``pre + a + b + look``."""
-        spans = info.chunk_spans(pre + a + b + look)
-        p = len(pre)
-        la, lb = p + len(a), p + len(a) + len(b)
+    def pending_after(a: tuple, r: int) -> int:
+        """Bytes still missing from the current character after token ``a`` read with ``r`` missing."""
+        if r and a[1] and len(a[0]) == 1 and not a[2]:  # continuation bytes only
+            return max(r - len(a[1]), 0)
+        return a[2]
+
+    def category(a: tuple, b: tuple, look: str = "", pre: tuple = NO_CTX) -> int:
+        """Chunk category of the junction of tokens ``a``|``b`` (representatives as in ``reps``) after
+        the context ``pre`` = (chunk-prefix text, whether its last character continues into ``a``) and
+        before the text ``look``. A character split across a junction is one character (the left
+        token's stand-in): no chunk boundary can fall inside it, so the boundary before it belongs to
+        the left token and the one after it to the right token."""
+        pt, pend = pre
+        at, bt = a[0], b[0]
+        mid_a = bool(pend and a[1])  # a starts inside the last character of the context
+        if mid_a:
+            at = at[1:]
+        mid_b = bool(pending_after(a, pend) and b[1])  # the junction falls inside a character
+        if mid_b:
+            bt = bt[1:]
+        p = len(pt) - (1 if mid_a else 0)
+        la = len(pt) + len(at)
+        lb = la + len(bt)
         junction = False
-        for s, e in spans:
-            for x in (s, e):
-                if p < x < la or la < x < lb:
+        for s0, e0 in info.chunk_spans(pt + at + bt + look):
+            for x in (s0, e0):
+                if p < x < la or la < x < lb or (mid_b and x == la < lb):
                     return BANNED
-                if x == la:
+                if x == la and not mid_b:
                     junction = True
         return SPLIT if junction else JOIN
 
@@ -496,49 +747,226 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         for j, bb in enumerate(rep_list):
             cat[i, j] = category(a, bb)
     for j, bb in enumerate(rep_list):
-        cat[R, j] = category("", bb)
+        cat[R, j] = category(EMPTY, bb)
     # lookahead verdicts for whitespace-final v: [R+1, n_ws_rep, L+1] (last = END)
     cat_la = np.empty((R + 1, len(ws_rep), L + 1), dtype=np.uint8)
     for i in range(R + 1):
-        a = rep_list[i] if i < R else ""
+        a = rep_list[i] if i < R else EMPTY
         for jj, j in enumerate(ws_rep):
             bb = rep_list[j]
             for c, ch in enumerate(la_chars):
                 cat_la[i, jj, c] = category(a, bb, ch)
             cat_la[i, jj, L] = cat[i, j]
 
-    # Left context: when u's whole text continues the chunk of the previous token's last character c
-    # (e.g. Tekken's greedy punctuation run "&" + "_" before "bar"), the u|v junction is judged with c
-    # in front. ctx_fix[(c, r)] = (cat row, cat_la row) for representative r, only where it differs.
-    last_rep: list[str | None] = [None] * V
-    for t in np.flatnonzero(ok):
-        last_rep[t] = reps[t][-1]
-    ctx_chars = sorted({last_rep[t] for t in np.flatnonzero(ok)})
-    ctx_fix: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
-    # Screening probes: the distinct 2-character heads of all representatives (what follows the
-    # junction decides how the chunk that started before u ends); full rows only where a probe differs.
-    probes = sorted({r[:2] for r in rep_list} | set(la_chars))
-    for c in tqdm(ctx_chars, desc="left-context pairs", disable=not progress, leave=False):
-        for i, a in enumerate(rep_list):
-            if info.chunk_spans(c + a) != [(0, len(c) + len(a))]:
-                continue  # u does not continue c's chunk: the pairwise verdicts hold
-            if all(category(a, b, pre=c) == category(a, b) for b in probes):
-                continue
-            row = np.array([category(a, bb, pre=c) for bb in rep_list], dtype=np.uint8)
+    # Left context: the chunk-prefix automaton (module docstring, "Left context"). A state stands for
+    # the text of the current pre-token chunk before the next token, up to what the pre-tokenizer can
+    # still tell about the future: prefixes with the same verdicts on every probe continuation are one
+    # state, represented by the shortest such prefix found (breadth first). State 0 = start of text.
+    probes = sorted({r[0][:2] for r in rep_list} | {r[0][:3] for r in rep_list} | set(la_chars) | {""})
+    # screening continuations for a token's verdicts (full rows only where one differs)
+    probe_reps = sorted({(r[0][:2], r[1][:1], 0) for r in rep_list} | {(c, b"", 0) for c in la_chars})
+
+    def future(y: str) -> tuple:
+        n = len(y)
+        return tuple(tuple(s0 - n for s0, _ in info.chunk_spans(y + q) if s0 >= n) for q in probes)
+
+    # Non-pending states are chunk prefixes keyed by their future; a pending state (a character split
+    # across tokens is not complete yet) is (the state before that character, its bytes so far): the
+    # token that completes it completes it exactly, and is then read as the completed character plus
+    # the rest of the token in the state before (same chunk spans: the string is the same).
+    states: list[tuple[str, int, tuple | None]] = [("", 0, None)]  # (text, bytes missing, (g_prev, bytes))
+    state_of_future: dict[tuple, int] = {future(""): 0}
+    state_of_text: dict[str, int] = {"": 0}
+    state_of_pending: dict[tuple[int, tuple], int] = {}
+    lead_set = sorted({r[1] for r in rep_list if r[1]})
+    coarse_reps: dict[tuple, str] = {}
+
+    def coarse_rep(c: str) -> str:
+        """One character per coarse class (:func:`_coarse_signature`): all the pre-tokenizer sees."""
+        return coarse_reps.setdefault(_coarse_signature(c), c)
+
+    behavior_of: dict[bytes, tuple] = {}
+
+    def behavior(got: bytes) -> tuple:
+        """What the rest of a pending character can still do (so that pending states with the same
+        behavior are one): its stand-in, the bytes it misses, and for every continuation a token can
+        bring, the completed character's representative or the behavior it leaves pending."""
+        got_b = behavior_of.get(got)
+        if got_b is None:
+            need = _utf8_length(got[0])
+            out = []
+            for c in lead_set:
+                x = got + c
+                if len(x) < need:
+                    out.append(behavior(x))
+                elif len(x) == need:
+                    try:
+                        out.append(_coarse_signature(x.decode("utf-8")))
+                    except UnicodeDecodeError:
+                        out.append(None)  # never output (the UTF-8 filter)
+                else:
+                    out.append(None)
+            got_b = behavior_of[got] = (_coarse_signature(tail_char(got)), need - len(got), tuple(out))
+        return got_b
+
+    def state_of(y: str) -> int:
+        g = state_of_text.get(y)
+        if g is None:
+            key = future(y)
+            g = state_of_future.get(key)
+            if g is None:
+                g = state_of_future[key] = len(states)
+                states.append((y, 0, None))
+            state_of_text[y] = g
+        return g
+
+    def pending_state(g: int, got: bytes) -> int:
+        key = (g, behavior(got))
+        p = state_of_pending.get(key)
+        if p is None:
+            p = state_of_pending[key] = len(states)
+            rem = _utf8_length(got[0]) - len(got)
+            states.append((states[g][0] + coarse_rep(tail_char(got)), rem, (g, got)))
+        return p
+
+    completed_cache: dict[tuple, tuple] = {}
+
+    def completed(a: tuple, got: bytes) -> tuple:
+        """``a`` (starting with continuation bytes) with its first character completed from ``got``."""
+        key = (a, got)
+        out = completed_cache.get(key)
+        if out is None:
+            ch = got.decode("utf-8", errors="replace")[0]
+            out = completed_cache[key] = (coarse_rep(ch) + a[0][1:], b"", a[2])
+        return out
+
+    advance_cache: dict[tuple, int] = {}
+
+    def advance(g: int, a: tuple, tail: bytes = b"") -> int:
+        """The state after token representative ``a`` (trailing partial character ``tail``) read in ``g``.
+        Cached."""
+        key = (g, a, tail)
+        got = advance_cache.get(key)
+        if got is None:
+            got = advance_cache[key] = _advance(g, a, tail)
+        return got
+
+    def _advance(g: int, a: tuple, tail: bytes) -> int:
+        y, pend, where = states[g]
+        if pend and a[1]:
+            gp, got = where[0], where[1] + a[1]
+            if len(got) < _utf8_length(got[0]):
+                return pending_state(gp, got)
+            return advance(gp, completed(a, got), tail)
+        if pend:
+            y = states[where[0]][0]  # a new character inside a pending one (invalid UTF-8): drop it
+        text = a[0][:-1] if a[2] else a[0]
+        g = state_of(y) if pend else g
+        for c in text:
+            g = state_of(states[g][0] + c)
+        return pending_state(g, tail) if a[2] else g
+
+    def successors(g: int, i: int):
+        """Successor of representative i read in g: a state, or {tail bytes: state} if i ends inside a
+        character (the tail's bytes decide the pending state)."""
+        a = rep_list[i]
+        if a[2]:
+            return {t: advance(g, a, t) for t in sorted(rep_tails[i])}
+        return advance(g, a)
+
+    row_cache: dict[tuple, tuple] = {}
+
+    def full_rows(a: tuple, pre: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """Verdict rows of ``a`` after context ``pre``: ``uint8[R]`` and ``uint8[n_ws, L+1]``. Cached; the
+        verdicts see only how many continuation bytes ``a`` starts with."""
+        key = (a[0], len(a[1]), a[2], pre)
+        got = row_cache.get(key)
+        if got is None:
+            row = np.array([category(a, bb, pre=pre) for bb in rep_list], dtype=np.uint8)
             row_la = np.empty((len(ws_rep), L + 1), dtype=np.uint8)
             for jj, j in enumerate(ws_rep):
                 for cc, ch in enumerate(la_chars):
-                    row_la[jj, cc] = category(a, rep_list[j], ch, pre=c)
+                    row_la[jj, cc] = category(a, rep_list[j], ch, pre=pre)
                 row_la[jj, L] = row[j]
-            if not (np.array_equal(row, cat[i]) and np.array_equal(row_la, cat_la[i])):
-                ctx_fix[(c, i)] = (row, row_la)
-    # context groups: characters with the same fixes behave alike; group 0 = no fix (and START)
-    sig_of_char = {c: tuple(sorted((i, hashlib.blake2b(f[0].tobytes() + f[1].tobytes(), digest_size=8).digest())
-                                   for (cc, i), f in ctx_fix.items() if cc == c)) for c in ctx_chars}
-    group_ids: dict[tuple, int] = {(): 0}
-    char_group = {c: group_ids.setdefault(sig, len(group_ids)) for c, sig in sig_of_char.items()}
-    G = len(group_ids)
-    group_char = {g: c for c, g in char_group.items()}  # a representative character per group
+            got = row_cache[key] = (row, row_la)
+        return got
+
+    rows_in_cache: dict[tuple, tuple] = {}
+
+    def rows_in(g: int, a: tuple) -> tuple:
+        """Verdict rows of ``a`` (not starting inside a character) read in non-pending state ``g``:
+        ``(None, None)`` where the chunk-start verdicts of the tables hold. Cached."""
+        got = rows_in_cache.get((g, a))
+        if got is None:
+            got = rows_in_cache[(g, a)] = _rows_in(g, a)
+        return got
+
+    def screened(a: tuple, pt: str) -> bool:
+        """Whether ``a`` after ``pt`` gets its chunk-start verdicts on every probe continuation."""
+        d = screen_of.get(a)
+        if d is None:
+            d = screen_of[a] = [category(a, q) for q in probe_reps]
+        return all(category(a, q, pre=(pt, 0)) == x for q, x in zip(probe_reps, d))
+
+    screen_of: dict[tuple, list] = {}
+
+    def _rows_in(g: int, a: tuple) -> tuple:
+        pt = states[g][0]
+        starts = not pt or any(s0 == len(pt) for s0, _ in info.chunk_spans(pt + a[0])) or screened(a, pt)
+        j = rep_ids.get(a)
+        if starts and j is not None:
+            return None, None
+        row, row_la = full_rows(a, ("", 0) if starts else (pt, 0))
+        if j is not None and np.array_equal(row, cat[j]) and np.array_equal(row_la, cat_la[j]):
+            return None, None
+        return row, row_la
+
+    succ0 = [successors(0, i) for i in range(R)]
+    # ctx_fix[(g, i)] = (cat row, cat_la row or None, successor) where representative i read in state g
+    # differs from reading it at a chunk start (row R of the tables; state 0) in verdicts or successor.
+    ctx_fix: dict[tuple[int, int], tuple] = {}
+    g = 1
+    pbar = tqdm(desc="left-context states", disable=not progress, leave=False)
+    while g < len(states):  # states are discovered while the loop runs
+        pt, pend, where = states[g]
+        for i, a in enumerate(rep_list):
+            if bool(pend) != bool(a[1]):
+                continue  # continuation bytes without a pending character or vice versa: invalid UTF-8
+            succ = successors(g, i)
+            if pend:
+                gp, got = where[0], where[1] + a[1]
+                if len(got) < _utf8_length(got[0]):  # still inside the character
+                    row, row_la = full_rows(a, (pt, pend))
+                else:
+                    row, row_la = rows_in(gp, completed(a, got))
+                    if row is None:
+                        j = rep_ids[completed(a, got)]
+                        row, row_la = cat[j], cat_la[j]
+                ctx_fix[(g, i)] = (row, row_la, succ)
+                continue
+            spans = info.chunk_spans(pt + a[0])
+            if any(s0 == len(pt) for s0, _ in spans):
+                if succ != succ0[i]:
+                    ctx_fix[(g, i)] = (None, None, succ)
+                continue  # a starts a chunk: the context does not reach its verdicts
+            if screened(a, pt):
+                if succ != succ0[i]:
+                    ctx_fix[(g, i)] = (None, None, succ)
+                continue
+            row, row_la = rows_in(g, a)
+            if row is not None or succ != succ0[i]:
+                ctx_fix[(g, i)] = (row, row_la, succ)
+        g += 1
+        pbar.update()
+        pbar.set_postfix(states=len(states), fixes=len(ctx_fix))
+    pbar.close()
+    n_fixes_found = len(ctx_fix)
+    ctx_fix = _reachable_fixes(ctx_fix, succ0, [p for _, p, _ in states], [bool(r[1]) for r in rep_list], cat, cat_la, ws_rep)
+    n_fixes_kept = len(ctx_fix)
+    ctx_fix, succ0, G = _minimize_context(ctx_fix, succ0, len(states))
+    fixes_of_rep: dict[int, list] = {}
+    for (g, i), f in ctx_fix.items():
+        fixes_of_rep.setdefault(i, []).append((g, *f))
     steps.update()
 
     # 3. left-spine index: for each token y, entries (v, death, formation) sorted by death desc ------
@@ -615,25 +1043,32 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
             if hit.size:
                 conflict[hit] = True
         ru = int(tok_rep[u])
-        own_group = char_group[last_rep[u]]
-        variants = [(0, cat[ru], None)] + [
-            (g, *ctx_fix[(group_char[g], ru)]) for g in range(1, G) if (group_char[g], ru) in ctx_fix
+        base = cat[ru]
+        variants = [(0, base, None, succ0[ru])] + [
+            (g, base if row is None else row, row_la, succ) for g, row, row_la, succ in fixes_of_rep.get(ru, ())
         ]
-        for g, cat_row, cat_la_row in variants:
-            cats = cat_row[tok_rep_safe]
-            banned = (cats == BANNED) | ((cats == JOIN) & conflict) | not_ok
-            lav = la_vector(ru, conflict, cat_la_row)
-            if J:
-                banned[ws_tokens] = lav == 0
-            packed = np.packbits(banned, bitorder="little")
-            sig = hashlib.blake2b(packed.tobytes() + lav.tobytes() + bytes([own_group % 256, own_group // 256]),
-                                  digest_size=16).digest()
+        done: dict[int, tuple[np.ndarray, np.ndarray, bytes]] = {}  # per distinct verdict row
+        for g, cat_row, cat_la_row, succ in variants:
+            if isinstance(succ, dict):
+                succ = succ[tok_tail[u]]
+            key = id(cat_row) if cat_la_row is None else id(cat_la_row)
+            got = done.get(key)
+            if got is None:
+                cats = cat_row[tok_rep_safe]
+                banned = (cats == BANNED) | ((cats == JOIN) & conflict) | not_ok
+                lav = la_vector(ru, conflict, cat_la_row)
+                if J:
+                    banned[ws_tokens] = lav == 0
+                packed = np.packbits(banned, bitorder="little")
+                got = done[key] = (packed, lav, hashlib.blake2b(packed.tobytes() + lav.tobytes(), digest_size=16).digest())
+            packed, lav, h = got
+            sig = h + int(succ).to_bytes(4, "little")
             k = class_of_sig.get(sig)
             if k is None:
                 k = class_of_sig[sig] = len(rows)
                 rows.append(packed)
                 sets.append(lav)
-                class_group.append(own_group)
+                class_group.append(succ)
             if g == 0:
                 token_class[u] = k
             else:
@@ -683,6 +1118,9 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         n_rep_strings=R,
         build_seconds=round(time.time() - t0, 2),
         n_context_groups=G,
+        n_context_prefixes=len(states),
+        n_context_fixes=len(ctx_fix),
+        n_context_fixes_unreachable=n_fixes_found - n_fixes_kept,
         n_context_tokens=len(ctx_tokens),
         n_spine_items=len(item_cache),
         spine_item_entries=int(sum(a.size for a in item_cache.values())),

@@ -384,6 +384,26 @@ class _Analysis:
         b = self.bad[t]
         return b is None or not b[sig, cls]
 
+    def byte_moves(self, s: int, k: int, sig: int, a: int):
+        """Yield ``(v, good)`` for each byte-fallback token v allowed in product state (s, a, k, σ) with
+        a > 0 (inside a byte-fallback character; lazily, so callers may stop at the first good one):
+        not banned after class k, first character in σ, a regex move; ``good`` = its successor is good
+        (the character continues: :meth:`inner_good`; it ends: :meth:`succ_good`)."""
+        H = self.H
+        arow = H.acc[a]
+        for b in np.flatnonzero((arow != -1) & (H.bf_tok >= 0)).tolist():
+            v = int(H.bf_tok[b])
+            lf = int(H.la_first[v])
+            if int(H.tclass[v]) < 0 or lf < 0 or not H.sigma_la[sig, lf] or H.banned_bit(k, v):
+                continue
+            cv = H.next_cls(k, v)
+            t = self.M.next_state(s, v)
+            if t < 0:
+                continue
+            nsig = int(H.la_sets_idx[k, H.j_of[v]]) if H.j_of[v] >= 0 else 0
+            a2 = int(arow[b])
+            yield v, (self.inner_good(t, cv, nsig, a2) if a2 >= 0 else self.succ_good(t, cv, nsig))
+
     def inner_good(self, s: int, k: int, sig: int, a: int) -> bool:
         """Whether (s, a, k, sigmas[sig]) with a > 0 (inside a byte-fallback character) is good:
         some byte tokens complete the character (<= 3 more bytes) into a good state."""
@@ -391,26 +411,7 @@ class _Analysis:
         got = self._inner_memo.get(key)
         if got is not None:
             return got
-        H = self.H
-        res = False
-        row = H.acc[a]
-        for b in np.flatnonzero((row != -1) & (H.bf_tok >= 0)).tolist():
-            v = int(H.bf_tok[b])
-            if int(H.tclass[v]) < 0 or H.banned_bit(k, v):
-                continue
-            cv = H.next_cls(k, v)
-            lf = int(H.la_first[v])
-            if lf < 0 or not H.sigma_la[sig, lf]:
-                continue
-            t = self.M.next_state(s, v)
-            if t < 0:
-                continue
-            nsig = int(H.la_sets_idx[k, H.j_of[v]]) if H.j_of[v] >= 0 else 0
-            a2 = int(row[b])
-            ok = self.inner_good(t, cv, nsig, a2) if a2 >= 0 else self.succ_good(t, cv, nsig)
-            if ok:
-                res = True
-                break
+        res = any(ok for _, ok in self.byte_moves(s, k, sig, a))
         if len(self._inner_memo) > 200_000:
             self._inner_memo.clear()
         self._inner_memo[key] = res
@@ -812,19 +813,7 @@ class FactoredCanonical:
             return row
         # inside a byte-fallback character: byte tokens only
         row = np.zeros(H.W, dtype=np.int32)
-        arow = H.acc[a]
-        for b in np.flatnonzero((arow != -1) & (H.bf_tok >= 0)).tolist():
-            v = int(H.bf_tok[b])
-            lf = int(H.la_first[v])
-            if int(H.tclass[v]) < 0 or lf < 0 or not H.sigma_la[sig, lf] or H.banned_bit(k, v):
-                continue
-            cv = H.next_cls(k, v)
-            t = self.M.next_state(s, v)
-            if t < 0:
-                continue
-            nsig = int(H.la_sets_idx[k, H.j_of[v]]) if H.j_of[v] >= 0 else 0
-            a2 = int(arow[b])
-            ok = an.inner_good(t, cv, nsig, a2) if a2 >= 0 else an.succ_good(t, cv, nsig)
+        for v, ok in an.byte_moves(s, k, sig, a):
             if ok:
                 row[v >> 5] |= np.int32(np.uint32(1 << (v & 31)).view(np.int32))
         return row
