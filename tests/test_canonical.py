@@ -148,20 +148,61 @@ def _first_rejection(cf, ids) -> int | None:
     return None if S & cf.end_bit else len(ids)
 
 
+_TAILS: dict = {}
+
+
+def _stand_in_misjudged(info, ids, i) -> bool:
+    """Whether one of the 6 tokens before the refused token ``ids[i]`` opens a character split across
+    tokens whose stand-in (``canonical._TailChars`` of the bytes that token holds) is of another coarse
+    class than the character itself: limit (1) of ``canonical.py``'s docstring (``EF`` ``B8`` ``8F``,
+    U+FE0F, a mark, judged as ``EF``'s symbol)."""
+    from vllm_fst_backend.artifacts.canonical import _coarse_signature, _TailChars, _utf8_length
+
+    tails = _TAILS.get(id(info))
+    if tails is None:
+        tails = _TAILS[id(info)] = _TailChars(info.token_bytes)
+    data = b"".join(info.token_bytes[t] for t in ids[: i + 1])
+    end = 0
+    for j, t in enumerate(ids[:i]):
+        b = info.token_bytes[t]
+        end += len(b)
+        if j < i - 6:
+            continue
+        k = len(b) - 1
+        while k > 0 and k > len(b) - 4 and (b[k] & 0xC0) == 0x80:
+            k -= 1
+        n = _utf8_length(b[k])
+        if b[k] < 0xC0 or len(b) - k >= n:
+            continue  # the token does not end inside a character
+        start = end - (len(b) - k)
+        try:
+            ch = data[start : start + n].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if _coarse_signature(tails(b[k:])) != _coarse_signature(ch):
+            return True
+    return False
+
+
 def test_real_text_is_accepted(canon, real_lines, code_blocks):
     """Every line's canonical tokenization is accepted: multilingual lines, code lines and multi-line
-    code blocks (emoji escapes, box drawing, newline runs, indentation)."""
+    code blocks (emoji escapes, box drawing, newline runs, indentation). The one documented exception
+    (limit 1 of canonical.py: a split character whose stand-in is of another class) is recognised
+    per refusal, and must stay rare."""
     info, cf = canon
     size = 0
     rejected = []
+    excused = []
     for line in real_lines + code_blocks:
         size += len(line.encode())
         ids = info.encode(_prefix(info) + line)
         i = _first_rejection(cf, ids)
         if i is not None:
-            rejected.append((line, [info.token_bytes[t] for t in ids[max(0, i - 2) : i + 1]]))
+            where = (line, [info.token_bytes[t] for t in ids[max(0, i - 2) : i + 1]])
+            (excused if i < len(ids) and _stand_in_misjudged(info, ids, i) else rejected).append(where)
     assert size >= 1_000_000
     assert not rejected, (len(rejected), rejected[:10])
+    assert len(excused) <= 20, (len(excused), excused[:10])
 
 
 def test_split_character_pairs_in_real_text(canon, real_lines):
@@ -182,7 +223,8 @@ def test_split_character_pairs_in_real_text(canon, real_lines):
                     break
         else:
             continue
-        assert _first_rejection(cf, ids) is None, line
+        i = _first_rejection(cf, ids)
+        assert i is None or (i < len(ids) and _stand_in_misjudged(info, ids, i)), line
     if info.kind == "sentencepiece_bpe":
         assert n_split > 0  # byte-fallback characters occur in the corpus
     else:

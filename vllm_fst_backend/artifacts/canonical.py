@@ -64,28 +64,29 @@ compiler a per-state check, so fewer is faster. The build summary gives the figu
 Split characters (byte-level tokens that split a UTF-8 character)
 -----------------------------------------------------------------
 A pre-tokenizer never splits inside a character. A token ending inside a character gets a stand-in
-for it in its own row (:class:`_TailChars`: a character of the class with the most weight among the
-completions of its bytes, weighted by the vocabulary -- a symbol for ``F0`` and ``F0 9F``, emoji,
-which Tekken's regex treats as punctuation; a letter for ``E0 A4``); a token starting inside one
-continues that same character. At a junction inside a character neither side is a chunk boundary:
-the boundary before the character belongs to the left token, the one after it to the right token
-(``category`` in :func:`build_canonical_filter`). After such a token the context is a *pending
-state*: (the state before the character, the character's bytes so far), so the token that completes
-it completes it exactly -- Tekken spells ``❤️`` as ``E2`` ``9D`` ``A4`` ``EF`` ``B8`` ``8F``, one
-byte each, and the last byte decides that the character is U+FE0F, a mark, not the symbol most
-``EF ..`` characters are -- and is read as the completed character plus the rest of the token in
-the state before (the same string, so the same chunk spans). Pending states whose characters can
-still end the same ways (the coarse class of every completion a token can bring) are one state.
-Joined bytes that are invalid UTF-8 never reach the output (the UTF-8 filter removes them) and get
-the same definition.
+for it (:class:`_TailChars`: a character of the class with the most weight among the completions of
+its lead bytes, weighted by the vocabulary -- a symbol for ``F0`` and ``F0 9F``, emoji, which Tekken's
+regex treats as punctuation; a letter for ``E0 A4``); a token starting inside one continues that same
+character. So at a junction inside a character neither side is a chunk boundary: the boundary before
+the character belongs to the left token, the one after it to the right token (``category`` in
+:func:`build_canonical_filter`). The context state carries how many bytes the pending character
+still misses, so a token of continuation bytes only (Tekken spells many emoji ``F0`` ``9F`` ``91``
+``A8``, one byte each) either completes it or leaves it pending. Joined bytes that are invalid UTF-8
+in any other way never reach the output (the UTF-8 filter removes them) and get the same definition.
 
-Remaining limits, both outside the random-walk and real-text tests' reach, documented not handled:
-(1) the boundary right *before* a character split across tokens is judged by the stand-in of the
-bytes its first token holds (``a`` then a token ``EF`` is judged as if ``EF ..`` were a symbol,
-though ``EF B8 8F`` is a mark that joins the letter run); (2) the pre-tokenizer's *lookahead* is tracked
-only for whitespace runs (above); Tekken's letter alternatives can also move a boundary back over an
-uppercase run (``中AB`` + ``c`` is one chunk, ``中AB`` + ``!`` is ``中`` ``AB``), which no bounded
-context sees.
+Remaining limits, documented not handled: (1) the stand-in is fixed by the bytes the token that
+opens the character holds, so where their completions mix classes, the minority completions are
+judged as the majority (``F0 9F 84 80``, a digit among emoji; Devanagari marks after a split
+``E0 A4``; a mathematical letter ``F0 9D ..`` spelled one byte per token gets ``F0``'s symbol). Real
+text meets it where Tekken spells U+FE0F (the emoji variation selector, a mark) as ``EF`` ``B8``
+``8F``, one byte each: ``EF``'s stand-in is a symbol, so ``❤️\\u200d`` in an escaped JSON string is
+refused at ``\\u`` (9 lines of the real-text test; ``tests/test_canonical.py`` checks that every
+refusal is of this kind). The exact fix -- a pending state holding the character's bytes so far, so
+that the completing token completes it exactly -- exists on branch ``wip/exact-pending-chars`` but
+multiplies the context states (Tekken > 4,000 found) and the context-dependent tokens (SmolLM2 1,289),
+which slows both the build and the compiler. (2) The pre-tokenizer's *lookahead* is tracked only for
+whitespace runs (above); Tekken's letter alternatives can also move a boundary back over an uppercase
+run (``中AB`` + ``c`` is one chunk, ``中AB`` + ``!`` is ``中`` ``AB``), which no bounded context sees.
 
 SentencePiece byte-fallback tokens never merge (they stand for characters outside the
 vocabulary), so they are never in conflict; which bytes may use them is decided by the detokenizer's
@@ -136,9 +137,10 @@ class CanonicalFilter:
     * ``la_sets`` (property): uint64[C + 1, J] -- row k (row C = start state): bit c set ⇔ after class k
       and token j the next token may start with lookahead class c; bit L set ⇔ the text may end (END).
 
-    * ``class_group``: int16[C + 1] -- left-context group of each class (of its tokens' last character;
-      entry C = start state, group 0); ``ctx_token_index``: int32[V] (-1 or j) and ``ctx_classes``:
-      int32[J2, G] -- the class token j reaches after a class of group g (column 0 = ``token_class``).
+    * ``class_group``: int16[C + 1] -- the left-context state (module docstring, "Left context") each
+      class leads to (entry C = start state, state 0); ``ctx_token_index``: int32[V] (-1 or j) and
+      ``ctx_classes``: int32[J2, G] -- the class token j reaches when read in context state g
+      (column 0 = ``token_class``).
 
     The canonical state is (k, S) with S a uint64 set over lookahead classes + END; the class reached by
     token v from class k is ``ctx_classes[ctx_token_index[v], class_group[k]]`` for context-dependent
@@ -495,17 +497,16 @@ class _TailChars:
         return out
 
 
-def _surface_text(b: bytes, tail_char) -> tuple[str, bytes, int, bytes]:
+def _surface_text(b: bytes, tail_char) -> tuple[str, int, int]:
     """Decode token bytes; partial characters at either end get a stand-in character.
 
-    Returns ``(text, lead, rem, tail)``: ``lead`` = the leading continuation bytes (up to 3; they
-    continue the previous token's character, stand-in :data:`_PARTIAL_REP`; the context state
-    completes that character with them), ``rem`` = bytes still missing from a trailing partial
-    character (0-3), ``tail`` = its bytes (its stand-in is ``tail_char(tail)``, see
-    :class:`_TailChars`)."""
+    Returns ``(text, lead, rem)``: ``lead`` = leading continuation bytes (0-3; they continue the
+    previous token's character, stand-in :data:`_PARTIAL_REP`; the joins use the previous token's
+    stand-in instead), ``rem`` = bytes still missing from a trailing partial character (0-3; its
+    stand-in is ``tail_char(lead bytes)``, see :class:`_TailChars`)."""
     try:
         s = b.decode("utf-8")
-        return s, b"", 0, b""
+        return s, 0, 0
     except UnicodeDecodeError:
         pass
     # strip leading continuation bytes and a trailing incomplete sequence
@@ -522,16 +523,7 @@ def _surface_text(b: bytes, tail_char) -> tuple[str, bytes, int, bytes]:
         j = k
     mid = b[i:j].decode("utf-8", errors="replace")
     tail = tail_char(b[j:]) if rem else ""
-    return (_PARTIAL_REP if i else "") + mid + tail, b[:i], rem, b[j:]
-
-
-def _targets(spec) -> list[int]:
-    """States a successor spec names: a state, or {tail bytes: state} (see build_canonical_filter)."""
-    return list(spec.values()) if isinstance(spec, dict) else [spec]
-
-
-def _map_spec(spec, f):
-    return {k: f(v) for k, v in spec.items()} if isinstance(spec, dict) else f(spec)
+    return (_PARTIAL_REP if i else "") + mid + tail, i, rem
 
 
 def _reachable_fixes(ctx_fix: dict, succ0: list[int], pending: list[int], lead: list[bool], cat: np.ndarray,
@@ -568,13 +560,13 @@ def _reachable_fixes(ctx_fix: dict, succ0: list[int], pending: list[int], lead: 
         g = work.pop()
         for a in np.flatnonzero(reached[g]).tolist():
             f = fixes_at[g].get(a)
+            t = succ0[a] if f is None else f[2]
             ok = default_ok[a] if f is None or f[0] is None else ok_row(f[0], f[1])
-            for t in _targets(succ0[a] if f is None else f[2]):
-                new = ok & valid[t] & ~reached[t]
-                if new.any():
-                    reached[t] |= new
-                    if t not in work:
-                        work.append(t)
+            new = ok & valid[t] & ~reached[t]
+            if new.any():
+                reached[t] |= new
+                if t not in work:
+                    work.append(t)
     return {(g, i): f for (g, i), f in ctx_fix.items() if reached[g, i]}
 
 
@@ -583,15 +575,11 @@ def _minimize_context(ctx_fix: dict, succ0: list[int], n_states: int) -> tuple[d
 
     ``ctx_fix[(g, i)] = (row, row_la, succ)`` is where representative ``i`` read in state ``g`` differs
     from reading it at a chunk start (verdict rows ``uint8[R]``/``uint8[J, L+1]`` or ``None`` for the
-    chunk-start ones; successor state, or {tail bytes: state} for representatives that end inside a
-    character); elsewhere the successor is ``succ0[i]``. Two states are
+    chunk-start ones; successor state); elsewhere the successor is ``succ0[i]``. Two states are
     equivalent when every representative gets the same verdicts in both and leads to equivalent states:
     the probes that found the states over-distinguish them, and every state that survives costs the
     compiler (its tokens become context-dependent). Returns ``(ctx_fix, succ0, n_blocks)`` over block
     ids, state 0 (chunk start) staying 0, with the fixes that no longer change anything dropped."""
-    def _key(spec):
-        return tuple(sorted(spec.items())) if isinstance(spec, dict) else spec
-
     verdict: list[dict] = [{} for _ in range(n_states)]
     succ_of: list[dict] = [{} for _ in range(n_states)]
     for (g, i), (row, row_la, succ) in ctx_fix.items():
@@ -604,7 +592,7 @@ def _minimize_context(ctx_fix: dict, succ0: list[int], n_states: int) -> tuple[d
     while True:
         ids = {}
         new = [
-            ids.setdefault((block[g], tuple(_key(_map_spec(succ_of[g].get(i, succ0[i]), block.__getitem__)) for i in fixed)), len(ids))
+            ids.setdefault((block[g], tuple(block[succ_of[g].get(i, succ0[i])] for i in fixed)), len(ids))
             for g in range(n_states)
         ]
         done = len(ids) == len(set(block))
@@ -615,12 +603,12 @@ def _minimize_context(ctx_fix: dict, succ0: list[int], n_states: int) -> tuple[d
     first_of: dict[int, int] = {}
     for g in range(n_states):
         first_of.setdefault(block[g], g)
-    succ0 = [_map_spec(s, block.__getitem__) for s in succ0]
+    succ0 = [block[s] for s in succ0]
     out: dict = {}
     for (g, i), (row, row_la, succ) in ctx_fix.items():
         if first_of[block[g]] != g:
             continue
-        b = _map_spec(succ, block.__getitem__)
+        b = block[succ]
         if row is not None or b != succ0[i]:
             out[(block[g], i)] = (row, row_la, b)
     return out, succ0, len(first_of)
@@ -650,8 +638,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     ok = np.zeros(V, dtype=bool)
     rspine: list[list] = [[] for _ in range(V)]
     lspine: list[list] = [[] for _ in range(V)]
-    reps: list[tuple | None] = [None] * V  # (representative text, lead bytes, rem): see _surface_text
-    tok_tail: list[bytes] = [b""] * V  # bytes of a trailing partial character
+    reps: list[tuple | None] = [None] * V  # (representative text, lead, rem): see _surface_text
     first_rep: list[str | None] = [None] * V
     ws_final = np.zeros(V, dtype=bool)
     for t in range(V):
@@ -666,7 +653,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
                 continue
             ok[t] = True
             rspine[t] = lspine[t] = [(t, -1, INF)]
-            reps[t] = (_PARTIAL_REP, b"", 0)
+            reps[t] = (_PARTIAL_REP, 0, 0)
             first_rep[t] = _PARTIAL_REP
             continue
         try:
@@ -676,7 +663,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         final, nodes, seq = _bpe_tree(syms, info.merges)
         if final != [t]:
             continue
-        text, lead, rem, tok_tail[t] = _surface_text(b, tail_char)
+        text, lead, rem = _surface_text(b, tail_char)
         if not rem and len(info.chunk_spans(text)) != 1:
             continue
         ok[t] = True
@@ -703,17 +690,13 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         la_first[t] = la_index[first_rep[t]]
     ws_rep = sorted({int(tok_rep[t]) for t in np.flatnonzero(ws_final & ok)})
     ws_rep_pos = {r: i for i, r in enumerate(ws_rep)}
-    EMPTY = ("", b"", 0)
+    EMPTY = ("", 0, 0)
     NO_CTX = ("", 0)
-    rep_tails: list[set] = [set() for _ in range(R)]
-    for t in np.flatnonzero(ok):
-        if tok_tail[t]:
-            rep_tails[int(tok_rep[t])].add(tok_tail[t])
 
     def pending_after(a: tuple, r: int) -> int:
         """Bytes still missing from the current character after token ``a`` read with ``r`` missing."""
         if r and a[1] and len(a[0]) == 1 and not a[2]:  # continuation bytes only
-            return max(r - len(a[1]), 0)
+            return max(r - a[1], 0)
         return a[2]
 
     def category(a: tuple, b: tuple, look: str = "", pre: tuple = NO_CTX) -> int:
@@ -764,196 +747,71 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     # state, represented by the shortest such prefix found (breadth first). State 0 = start of text.
     probes = sorted({r[0][:2] for r in rep_list} | {r[0][:3] for r in rep_list} | set(la_chars) | {""})
     # screening continuations for a token's verdicts (full rows only where one differs)
-    probe_reps = sorted({(r[0][:2], r[1][:1], 0) for r in rep_list} | {(c, b"", 0) for c in la_chars})
+    probe_reps = sorted({(r[0][:2], r[1], 0) for r in rep_list} | {(c, 0, 0) for c in la_chars})
 
     def future(y: str) -> tuple:
         n = len(y)
         return tuple(tuple(s0 - n for s0, _ in info.chunk_spans(y + q) if s0 >= n) for q in probes)
 
-    # Non-pending states are chunk prefixes keyed by their future; a pending state (a character split
-    # across tokens is not complete yet) is (the state before that character, its bytes so far): the
-    # token that completes it completes it exactly, and is then read as the completed character plus
-    # the rest of the token in the state before (same chunk spans: the string is the same).
-    states: list[tuple[str, int, tuple | None]] = [("", 0, None)]  # (text, bytes missing, (g_prev, bytes))
-    state_of_future: dict[tuple, int] = {future(""): 0}
-    state_of_text: dict[str, int] = {"": 0}
-    state_of_pending: dict[tuple[int, tuple], int] = {}
-    lead_set = sorted({r[1] for r in rep_list if r[1]})
-    coarse_reps: dict[tuple, str] = {}
+    states: list[tuple[str, int]] = [NO_CTX]  # (chunk prefix, bytes missing from its last character)
+    state_of_future: dict[tuple, int] = {(0, future("")): 0}
+    state_of_text: dict[tuple[str, int], int] = {NO_CTX: 0}
 
-    def coarse_rep(c: str) -> str:
-        """One character per coarse class (:func:`_coarse_signature`): all the pre-tokenizer sees."""
-        return coarse_reps.setdefault(_coarse_signature(c), c)
-
-    behavior_of: dict[bytes, tuple] = {}
-
-    def behavior(got: bytes) -> tuple:
-        """What the rest of a pending character can still do (so that pending states with the same
-        behavior are one): its stand-in, the bytes it misses, and for every continuation a token can
-        bring, the completed character's representative or the behavior it leaves pending."""
-        got_b = behavior_of.get(got)
-        if got_b is None:
-            need = _utf8_length(got[0])
-            out = []
-            for c in lead_set:
-                x = got + c
-                if len(x) < need:
-                    out.append(behavior(x))
-                elif len(x) == need:
-                    try:
-                        out.append(_coarse_signature(x.decode("utf-8")))
-                    except UnicodeDecodeError:
-                        out.append(None)  # never output (the UTF-8 filter)
-                else:
-                    out.append(None)
-            got_b = behavior_of[got] = (_coarse_signature(tail_char(got)), need - len(got), tuple(out))
-        return got_b
-
-    def state_of(y: str) -> int:
-        g = state_of_text.get(y)
+    def state_of(y: str, pend: int) -> int:
+        g = state_of_text.get((y, pend))
         if g is None:
-            key = future(y)
+            key = (pend, future(y))
             g = state_of_future.get(key)
             if g is None:
                 g = state_of_future[key] = len(states)
-                states.append((y, 0, None))
-            state_of_text[y] = g
+                states.append((y, pend))
+            state_of_text[(y, pend)] = g
         return g
 
-    def pending_state(g: int, got: bytes) -> int:
-        key = (g, behavior(got))
-        p = state_of_pending.get(key)
-        if p is None:
-            p = state_of_pending[key] = len(states)
-            rem = _utf8_length(got[0]) - len(got)
-            states.append((states[g][0] + coarse_rep(tail_char(got)), rem, (g, got)))
-        return p
+    def advance(g: int, a: tuple) -> int:
+        """The state after token representative ``a`` read in state ``g``."""
+        y, pend = states[g]
+        at = a[0][1:] if (pend and a[1]) else a[0]
+        if not at:  # continuation bytes only: the character completes or stays pending
+            return state_of(y, pending_after(a, pend)) if pend else g
+        for c in at[:-1]:
+            y = states[state_of(y + c, 0)][0]
+        return state_of(y + at[-1], a[2])
 
-    completed_cache: dict[tuple, tuple] = {}
-
-    def completed(a: tuple, got: bytes) -> tuple:
-        """``a`` (starting with continuation bytes) with its first character completed from ``got``."""
-        key = (a, got)
-        out = completed_cache.get(key)
-        if out is None:
-            ch = got.decode("utf-8", errors="replace")[0]
-            out = completed_cache[key] = (coarse_rep(ch) + a[0][1:], b"", a[2])
-        return out
-
-    advance_cache: dict[tuple, int] = {}
-
-    def advance(g: int, a: tuple, tail: bytes = b"") -> int:
-        """The state after token representative ``a`` (trailing partial character ``tail``) read in ``g``.
-        Cached."""
-        key = (g, a, tail)
-        got = advance_cache.get(key)
-        if got is None:
-            got = advance_cache[key] = _advance(g, a, tail)
-        return got
-
-    def _advance(g: int, a: tuple, tail: bytes) -> int:
-        y, pend, where = states[g]
-        if pend and a[1]:
-            gp, got = where[0], where[1] + a[1]
-            if len(got) < _utf8_length(got[0]):
-                return pending_state(gp, got)
-            return advance(gp, completed(a, got), tail)
-        if pend:
-            y = states[where[0]][0]  # a new character inside a pending one (invalid UTF-8): drop it
-        text = a[0][:-1] if a[2] else a[0]
-        g = state_of(y) if pend else g
-        for c in text:
-            g = state_of(states[g][0] + c)
-        return pending_state(g, tail) if a[2] else g
-
-    def successors(g: int, i: int):
-        """Successor of representative i read in g: a state, or {tail bytes: state} if i ends inside a
-        character (the tail's bytes decide the pending state)."""
-        a = rep_list[i]
-        if a[2]:
-            return {t: advance(g, a, t) for t in sorted(rep_tails[i])}
-        return advance(g, a)
-
-    row_cache: dict[tuple, tuple] = {}
-
-    def full_rows(a: tuple, pre: tuple) -> tuple[np.ndarray, np.ndarray]:
-        """Verdict rows of ``a`` after context ``pre``: ``uint8[R]`` and ``uint8[n_ws, L+1]``. Cached; the
-        verdicts see only how many continuation bytes ``a`` starts with."""
-        key = (a[0], len(a[1]), a[2], pre)
-        got = row_cache.get(key)
-        if got is None:
+    succ0 = [advance(0, a) for a in rep_list]
+    # ctx_fix[(g, i)] = (cat row, cat_la row or None, successor) where representative i read in state g
+    # differs from reading it at a chunk start (row R of the tables; state 0) in verdicts or successor.
+    ctx_fix: dict[tuple[int, int], tuple] = {}
+    screen_default: list[list[int] | None] = [None] * R
+    g = 1
+    pbar = tqdm(desc="left-context states", disable=not progress, leave=False)
+    while g < len(states):  # states are discovered while the loop runs
+        pre = states[g]
+        pt, pend = pre
+        for i, a in enumerate(rep_list):
+            mid_a = bool(pend and a[1])
+            if pend and not mid_a:
+                continue  # a new character inside a pending one: invalid UTF-8, never output
+            if not mid_a:
+                spans = info.chunk_spans(pt + a[0])
+                if any(s0 == len(pt) for s0, _ in spans) or not pt:
+                    continue  # a starts a chunk: the context does not reach it
+            succ = advance(g, a)
+            base = cat[i] if not mid_a else None
+            if base is not None and screen_default[i] is None:
+                screen_default[i] = [category(a, q) for q in probe_reps]
+            if base is not None and all(category(a, q, pre=pre) == d for q, d in zip(probe_reps, screen_default[i])):
+                if succ != succ0[i]:
+                    ctx_fix[(g, i)] = (None, None, succ)
+                continue
             row = np.array([category(a, bb, pre=pre) for bb in rep_list], dtype=np.uint8)
             row_la = np.empty((len(ws_rep), L + 1), dtype=np.uint8)
             for jj, j in enumerate(ws_rep):
                 for cc, ch in enumerate(la_chars):
                     row_la[jj, cc] = category(a, rep_list[j], ch, pre=pre)
                 row_la[jj, L] = row[j]
-            got = row_cache[key] = (row, row_la)
-        return got
-
-    rows_in_cache: dict[tuple, tuple] = {}
-
-    def rows_in(g: int, a: tuple) -> tuple:
-        """Verdict rows of ``a`` (not starting inside a character) read in non-pending state ``g``:
-        ``(None, None)`` where the chunk-start verdicts of the tables hold. Cached."""
-        got = rows_in_cache.get((g, a))
-        if got is None:
-            got = rows_in_cache[(g, a)] = _rows_in(g, a)
-        return got
-
-    def screened(a: tuple, pt: str) -> bool:
-        """Whether ``a`` after ``pt`` gets its chunk-start verdicts on every probe continuation."""
-        d = screen_of.get(a)
-        if d is None:
-            d = screen_of[a] = [category(a, q) for q in probe_reps]
-        return all(category(a, q, pre=(pt, 0)) == x for q, x in zip(probe_reps, d))
-
-    screen_of: dict[tuple, list] = {}
-
-    def _rows_in(g: int, a: tuple) -> tuple:
-        pt = states[g][0]
-        starts = not pt or any(s0 == len(pt) for s0, _ in info.chunk_spans(pt + a[0])) or screened(a, pt)
-        j = rep_ids.get(a)
-        if starts and j is not None:
-            return None, None
-        row, row_la = full_rows(a, ("", 0) if starts else (pt, 0))
-        if j is not None and np.array_equal(row, cat[j]) and np.array_equal(row_la, cat_la[j]):
-            return None, None
-        return row, row_la
-
-    succ0 = [successors(0, i) for i in range(R)]
-    # ctx_fix[(g, i)] = (cat row, cat_la row or None, successor) where representative i read in state g
-    # differs from reading it at a chunk start (row R of the tables; state 0) in verdicts or successor.
-    ctx_fix: dict[tuple[int, int], tuple] = {}
-    g = 1
-    pbar = tqdm(desc="left-context states", disable=not progress, leave=False)
-    while g < len(states):  # states are discovered while the loop runs
-        pt, pend, where = states[g]
-        for i, a in enumerate(rep_list):
-            if bool(pend) != bool(a[1]):
-                continue  # continuation bytes without a pending character or vice versa: invalid UTF-8
-            succ = successors(g, i)
-            if pend:
-                gp, got = where[0], where[1] + a[1]
-                if len(got) < _utf8_length(got[0]):  # still inside the character
-                    row, row_la = full_rows(a, (pt, pend))
-                else:
-                    row, row_la = rows_in(gp, completed(a, got))
-                    if row is None:
-                        j = rep_ids[completed(a, got)]
-                        row, row_la = cat[j], cat_la[j]
-                ctx_fix[(g, i)] = (row, row_la, succ)
-                continue
-            spans = info.chunk_spans(pt + a[0])
-            if any(s0 == len(pt) for s0, _ in spans):
-                if succ != succ0[i]:
-                    ctx_fix[(g, i)] = (None, None, succ)
-                continue  # a starts a chunk: the context does not reach its verdicts
-            if screened(a, pt):
-                if succ != succ0[i]:
-                    ctx_fix[(g, i)] = (None, None, succ)
-                continue
-            row, row_la = rows_in(g, a)
+            if base is not None and np.array_equal(row, cat[i]) and np.array_equal(row_la, cat_la[i]):
+                row = row_la = None
             if row is not None or succ != succ0[i]:
                 ctx_fix[(g, i)] = (row, row_la, succ)
         g += 1
@@ -961,7 +819,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         pbar.set_postfix(states=len(states), fixes=len(ctx_fix))
     pbar.close()
     n_fixes_found = len(ctx_fix)
-    ctx_fix = _reachable_fixes(ctx_fix, succ0, [p for _, p, _ in states], [bool(r[1]) for r in rep_list], cat, cat_la, ws_rep)
+    ctx_fix = _reachable_fixes(ctx_fix, succ0, [p for _, p in states], [r[1] > 0 for r in rep_list], cat, cat_la, ws_rep)
     n_fixes_kept = len(ctx_fix)
     ctx_fix, succ0, G = _minimize_context(ctx_fix, succ0, len(states))
     fixes_of_rep: dict[int, list] = {}
@@ -1049,8 +907,6 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         ]
         done: dict[int, tuple[np.ndarray, np.ndarray, bytes]] = {}  # per distinct verdict row
         for g, cat_row, cat_la_row, succ in variants:
-            if isinstance(succ, dict):
-                succ = succ[tok_tail[u]]
             key = id(cat_row) if cat_la_row is None else id(cat_la_row)
             got = done.get(key)
             if got is None:
