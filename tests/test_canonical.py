@@ -156,7 +156,7 @@ def _stand_in_misjudged(info, ids, i) -> bool:
     tokens whose stand-in (``canonical._TailChars`` of the bytes that token holds) is of another coarse
     class than the character itself: limit (1) of ``canonical.py``'s docstring (``EF`` ``B8`` ``8F``,
     U+FE0F, a mark, judged as ``EF``'s symbol)."""
-    from vllm_fst_backend.artifacts.canonical import _coarse_signature, _TailChars, _utf8_length
+    from vllm_fst_backend.artifacts.canonical import _coarse_signature, _TailChars, _utf8_length, incomplete_tail
 
     tails = _TAILS.get(id(info))
     if tails is None:
@@ -168,12 +168,10 @@ def _stand_in_misjudged(info, ids, i) -> bool:
         end += len(b)
         if j < i - 6:
             continue
-        k = len(b) - 1
-        while k > 0 and k > len(b) - 4 and (b[k] & 0xC0) == 0x80:
-            k -= 1
-        n = _utf8_length(b[k])
-        if b[k] < 0xC0 or len(b) - k >= n:
+        k = incomplete_tail(b)
+        if k == len(b):
             continue  # the token does not end inside a character
+        n = _utf8_length(b[k])
         start = end - (len(b) - k)
         try:
             ch = data[start : start + n].decode("utf-8")

@@ -497,6 +497,17 @@ class _TailChars:
         return out
 
 
+def incomplete_tail(b: bytes, start: int = 0) -> int:
+    """Index (>= ``start``) of the lead byte of a UTF-8 character that ``b`` leaves incomplete at its
+    end, or ``len(b)`` when ``b`` ends at a character boundary (as far as its last 4 bytes tell)."""
+    k = len(b) - 1
+    while k >= start and k > len(b) - 4 and (b[k] & 0xC0) == 0x80:
+        k -= 1
+    if k >= start and b[k] >= 0xC0 and len(b) - k < _utf8_length(b[k]):
+        return k
+    return len(b)
+
+
 def _surface_text(b: bytes, tail_char) -> tuple[str, int, int]:
     """Decode token bytes; partial characters at either end get a stand-in character.
 
@@ -513,14 +524,8 @@ def _surface_text(b: bytes, tail_char) -> tuple[str, int, int]:
     i = 0
     while i < len(b) and i < 3 and (b[i] & 0xC0) == 0x80:
         i += 1
-    j = len(b)
-    k = j - 1
-    while k >= i and k > j - 4 and (b[k] & 0xC0) == 0x80:
-        k -= 1
-    rem = 0
-    if k >= i and b[k] >= 0xC0 and j - k < _utf8_length(b[k]):
-        rem = _utf8_length(b[k]) - (j - k)
-        j = k
+    j = incomplete_tail(b, i)
+    rem = _utf8_length(b[j]) - (len(b) - j) if j < len(b) else 0
     mid = b[i:j].decode("utf-8", errors="replace")
     tail = tail_char(b[j:]) if rem else ""
     return (_PARTIAL_REP if i else "") + mid + tail, i, rem
@@ -794,7 +799,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
                 continue  # a new character inside a pending one: invalid UTF-8, never output
             if not mid_a:
                 spans = info.chunk_spans(pt + a[0])
-                if any(s0 == len(pt) for s0, _ in spans) or not pt:
+                if any(s0 == len(pt) for s0, _ in spans):
                     continue  # a starts a chunk: the context does not reach it
             succ = advance(g, a)
             base = cat[i] if not mid_a else None
