@@ -47,7 +47,7 @@ def fst_artifacts(built_artifacts):
 @pytest.fixture(scope="session")
 def fst_infos(request):
     """``fst_infos(name) -> TokenizerInfo`` (the oracle)."""
-    fixture = {"smollm2": "smollm2_info", "mistral_v1": "mistral_v1_info"}
+    fixture = {"smollm2": "smollm2_info", "mistral_v1": "mistral_v1_info", "tekken": "tekken_info"}
 
     def get(name: str):
         return request.getfixturevalue(fixture[name])

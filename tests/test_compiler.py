@@ -125,6 +125,42 @@ def test_fixed_regexes_walks(fst_artifacts, fst_infos, name, regex):
         check_no_dead_ends_explicit(c)
 
 
+@pytest.mark.parametrize("regex", [r'"[^"\\]{0,40}"', r"[^\n]{1,30}\n", r"[A-Za-z ,]{5,40}\."])
+def test_tekken_context_dependent_tokens(fst_artifacts, fst_infos, regex):
+    """Tekken's filter has ~14k context-dependent tokens (their class depends on the chunk before them;
+    canonical.py "Left context"), which the dead-end analysis and the rows check in batches
+    (``specials_clear``, ``_specials_ok``). Walks end canonical; matching texts (random and real
+    multilingual lines) are accepted exactly when the canonical filter accepts their tokenization.
+    The budget is raised: speed is the benchmarks' business (bench_compile_tokenizers.py)."""
+    from test_canonical import load_real_lines
+
+    from vllm_fst_backend.compiler import CompileBudgets
+
+    arts, info = fst_artifacts("tekken"), fst_infos("tekken")
+    c = compile_regex(regex, arts, CompileOptions(), budgets=CompileBudgets(time_budget_s=120))
+    rnd = random.Random(3)
+    n_done = 0
+    for _ in range(25):
+        ids, done = random_walk(c, rnd, max_steps=120, p_eos=0.5)
+        if done:
+            n_done += 1
+            text = decode_text(info, ids)
+            assert fullmatch(regex, text), (regex, text)
+            assert ids == oracle_ids(info, text), (regex, text, ids)
+    assert n_done > 0
+    texts = matching_texts(regex, 10, 3)
+    if "^\\n" in regex:
+        texts += [x + "\n" for x in load_real_lines() if 0 < len(x) <= 30 and "\n" not in x][:300]
+    n_accepted = 0
+    for text in texts:
+        assert fullmatch(regex, text), text
+        ids = oracle_ids(info, text)
+        ok = _accepts(c, ids)
+        assert ok == arts.canonical.accepts(ids), (regex, text, ids)
+        n_accepted += ok
+    assert n_accepted >= 0.9 * len(texts)
+
+
 def test_explicit_product_arrays(fst_artifacts):
     """Small canonical products are explicit: complete arrays, dead-end free, forced tokens."""
     c = compile_regex(r"(Monday|Tuesday|Wednesday)", fst_artifacts("smollm2"), CompileOptions())

@@ -121,10 +121,12 @@ class FakeArtifacts:
 
 
 COMPILE_CALLS: list[tuple[str, plugin.FstRequestOptions]] = []
+COMPILE_BUDGETS: list[float] = []
 
 
-def fake_compile(regex, artifacts, options):
+def fake_compile(regex, artifacts, options, budget_s):
     COMPILE_CALLS.append((regex, options))
+    COMPILE_BUDGETS.append(budget_s)
     if regex.count("(") != regex.count(")"):
         raise RegexSyntaxError("unbalanced parenthesis", position=0)
     return FakeCompiled(regex)
@@ -144,6 +146,7 @@ def fake_stages(monkeypatch):
     monkeypatch.setattr(plugin, "matcher_factory", FakeMatcher)
     monkeypatch.setattr(plugin, "get_tokenizer_context", lambda model_config: ctx)
     COMPILE_CALLS.clear()
+    COMPILE_BUDGETS.clear()
     return ctx
 
 
@@ -321,6 +324,35 @@ def test_validation_errors_are_400(fake_stages):
     # options are checked even without a constraint
     with pytest.raises(VLLMValidationError, match="fst_scriptz"):
         _validate("fst", {"fst_scriptz": "latin"})
+
+
+def test_compile_budgets_validation_and_engine(fake_stages, monkeypatch):
+    """The API server compiles within the budget (over it: 400); the engine core, compiling a request
+    that validation already compiled in the other process, gets ENGINE_BUDGET_FACTOR times as much, so a
+    busier moment there does not fail an accepted request (a 500). A bad budget value is the server's
+    error (500 with the message), not the request's."""
+    from vllm.exceptions import VLLMValidationError
+
+    monkeypatch.delenv("VLLM_FST_COMPILE_BUDGET_S", raising=False)
+    monkeypatch.delenv("VLLM_FST_VALIDATE_COMPILE", raising=False)
+    _validate("fst", None, regex="ab")
+    backend = plugin.FstBackend(_vllm_config(), tokenizer=None, vocab_size=64)
+    backend.compile_request("REGEX", "cd")
+    assert COMPILE_BUDGETS == [4.0, 4.0 * plugin.ENGINE_BUDGET_FACTOR]
+    monkeypatch.setenv("VLLM_FST_COMPILE_BUDGET_S", "1.5")
+    _validate("fst", None, regex="ef")
+    backend.compile_request("REGEX", "gh")
+    assert COMPILE_BUDGETS[2:] == [1.5, 1.5 * plugin.ENGINE_BUDGET_FACTOR]
+    monkeypatch.setenv("VLLM_FST_VALIDATE_COMPILE", "0")  # no validation compile: the engine is the guard
+    backend.compile_request("REGEX", "ij")
+    assert COMPILE_BUDGETS[-1] == 1.5
+    monkeypatch.setenv("VLLM_FST_VALIDATE_COMPILE", "1")
+    monkeypatch.setenv("VLLM_FST_COMPILE_BUDGET_S", "soon")
+    with pytest.raises(Exception, match="VLLM_FST_COMPILE_BUDGET_S") as e:
+        _validate("fst", None, regex="kl")
+    assert not isinstance(e.value, VLLMValidationError)
+    with pytest.raises(plugin.InvalidOptionError, match="positive"):
+        backend.compile_request("REGEX", "mn")
 
 
 def test_validation_other_backends_untouched(fake_stages):
@@ -622,7 +654,7 @@ def test_cache_is_bounded_in_bytes(monkeypatch):
     class Blob:
         nbytes = 100
 
-    monkeypatch.setattr(plugin, "compile_function", lambda regex, artifacts, options: Blob())
+    monkeypatch.setattr(plugin, "compile_function", lambda regex, artifacts, options, budget_s: Blob())
     ctx = plugin.TokenizerContext(FakeArtifacts(), cache_bytes=250)
     for rx in ("a", "b", "c"):
         assert not ctx.compile(rx, plugin.FstRequestOptions()).cache_hit

@@ -21,7 +21,8 @@ none), ``fst_allow_ascii_bytes`` (bool, default false), ``fst_jump`` (bool, defa
 
 Environment: ``VLLM_FST_ARTIFACTS_DIR`` (the artifacts directory of the served tokenizer, or a root
 holding ``<name>/``), ``VLLM_FST_AUTO_BUILD`` (default ``1``), ``VLLM_FST_VALIDATE_COMPILE`` (default
-``1``: compile at request validation so a bad regex is a 400), ``VLLM_FST_CACHE_SIZE`` (compiled
+``1``: compile at request validation so a bad regex is a 400), ``VLLM_FST_COMPILE_BUDGET_S`` (wall-clock
+compile budget of a request, default 4; see :func:`compile_budget_s`), ``VLLM_FST_CACHE_SIZE`` (compiled
 automata kept per process, default 256), ``VLLM_FST_LEGACY_GUIDED`` (``auto`` (default): map the legacy
 ``guided_*`` request fields when the served backend is fst; ``1``: always; ``0``: never).
 
@@ -655,10 +656,37 @@ def local_tokenizer_path(model_config: Any) -> str:
 # =================================================================================================
 
 
-def _default_compile(regex: str, artifacts: Any, options: FstRequestOptions):
-    from vllm_fst_backend.compiler import compile_regex
+# The engine core compiles a request the API server already compiled in its own process (validation):
+# it gets this many times the budget, so that a host busier at that moment does not turn an accepted
+# request into an engine-side failure (vLLM answers those with HTTP 500, not 400).
+ENGINE_BUDGET_FACTOR = 4.0
 
-    return compile_regex(regex, artifacts, options.compile_options())
+
+def compile_budget_s(stage: str) -> float:
+    """Compile time budget in seconds for ``stage`` = ``"validate"`` (API server: over budget is an HTTP
+    400) or ``"engine"`` (engine core: ``ENGINE_BUDGET_FACTOR`` times the budget when requests are
+    validated by compiling, ``$VLLM_FST_VALIDATE_COMPILE``, else the budget itself, which then is the
+    only guard). The budget is ``$VLLM_FST_COMPILE_BUDGET_S`` (default 4).
+
+    Raises:
+        InvalidOptionError: the variable is not a positive number.
+    """
+    raw = os.environ.get("VLLM_FST_COMPILE_BUDGET_S", "").strip()
+    try:
+        budget = float(raw) if raw else 4.0
+    except ValueError:
+        budget = -1.0
+    if not budget > 0:
+        raise InvalidOptionError(f"VLLM_FST_COMPILE_BUDGET_S must be a positive number of seconds, got {raw!r}")
+    if stage == "engine" and _env_flag("VLLM_FST_VALIDATE_COMPILE", True):
+        return budget * ENGINE_BUDGET_FACTOR
+    return budget
+
+
+def _default_compile(regex: str, artifacts: Any, options: FstRequestOptions, budget_s: float):
+    from vllm_fst_backend.compiler import CompileBudgets, compile_regex
+
+    return compile_regex(regex, artifacts, options.compile_options(), budgets=CompileBudgets(time_budget_s=budget_s))
 
 
 def _default_matcher(compiled: Any):
@@ -668,7 +696,7 @@ def _default_matcher(compiled: Any):
 
 
 # Hooks (tests replace them; production leaves them alone).
-compile_function: Callable[[str, Any, FstRequestOptions], Any] = _default_compile
+compile_function: Callable[[str, Any, FstRequestOptions, float], Any] = _default_compile
 matcher_factory: Callable[[Any], Any] = _default_matcher
 
 
@@ -717,7 +745,9 @@ class TokenizerContext:
             return None
         return fut.result()
 
-    def compile(self, regex: str, options: FstRequestOptions) -> CompileResult:
+    def compile(self, regex: str, options: FstRequestOptions, budget_s: float | None = None) -> CompileResult:
+        """Compile (or take from the cache) ``regex`` under ``options`` within ``budget_s`` seconds
+        (default: :func:`compile_budget_s` ``("validate")``). Raises the compiler's errors (not cached)."""
         key = (regex, options.cache_key)
         with self._lock:
             fut = self._cache.get(key)
@@ -733,7 +763,8 @@ class TokenizerContext:
             return CompileResult(compiled, (time.monotonic() - t0) * 1e3, True)
         t0 = time.monotonic()
         try:
-            compiled = compile_function(regex, self.artifacts, options)
+            compiled = compile_function(regex, self.artifacts, options,
+                                        compile_budget_s("validate") if budget_s is None else budget_s)
         except BaseException as e:
             with self._lock:
                 if self._cache.get(key) is fut:
@@ -989,7 +1020,7 @@ class FstBackend(_BackendBase):
         options = options or FstRequestOptions()
         kind = getattr(request_type, "name", str(request_type))
         regex = constraint_to_regex(request_type, grammar_spec, whitespace_pattern)
-        res = self.context.compile(regex, options)
+        res = self.context.compile(regex, options, compile_budget_s("engine"))
         _metric_inc("requests")
         if res.cache_hit:
             _metric_inc("cache_hits")
@@ -1119,8 +1150,12 @@ def validate_fst_request(params: Any, model_config: Any, tokenizer: Any = None) 
     if not _env_flag("VLLM_FST_VALIDATE_COMPILE", True):
         return
     try:
+        budget_s = compile_budget_s("validate")
+    except InvalidOptionError as e:  # the server's configuration, not the request
+        raise _server_error(f"fst backend misconfigured: {e}") from None
+    try:
         ctx = get_tokenizer_context(model_config)
-        res = ctx.compile(regex, options)
+        res = ctx.compile(regex, options, budget_s)
     except (ArtifactError, ImportError) as e:  # server-side problem: a 500 with the message, not a 400
         logger.error("fst: cannot compile request constraints: %s", e)
         raise _server_error(f"fst backend unavailable: {e}") from None

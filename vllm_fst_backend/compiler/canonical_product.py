@@ -192,6 +192,25 @@ class CanonHelper:
         row = self.ctx_classes[j]
         return int(row[self.class_group[k]]) if np.isscalar(k) else row[self.class_group[np.asarray(k)]]
 
+    def next_cls_matrix(self, k_arr: np.ndarray, toks: np.ndarray) -> np.ndarray:
+        """``int64[len(toks), len(k_arr)]``: class reached by each token of ``toks`` from each class of
+        ``k_arr`` (START = C allowed); one gather from ``ctx_classes`` for the context-dependent ones."""
+        k_arr = np.asarray(k_arr, dtype=np.int64)
+        toks = np.asarray(toks, dtype=np.int64)
+        out = np.repeat(self.tclass[toks].astype(np.int64)[:, None], len(k_arr), axis=1)
+        j = self.ctx_j[toks]
+        ctx = np.flatnonzero(j >= 0)
+        if len(ctx):
+            out[ctx] = self.ctx_classes[j[ctx]][:, self.class_group[k_arr]]
+        return out
+
+    def banned_matrix(self, k_arr: np.ndarray, toks: np.ndarray) -> np.ndarray:
+        """``bool[len(toks), len(k_arr)]``: whether class ``k_arr[c]`` bans token ``toks[r]`` (classes only,
+        not START). One gather of the word-major copy ``bt``."""
+        toks = np.asarray(toks, dtype=np.int64)
+        words = self.bt[np.ix_(toks >> 5, np.asarray(k_arr, dtype=np.int64))]
+        return ((words >> (toks & 31)[:, None].astype(np.int32)) & 1).astype(bool)
+
     def bcol(self, w: int) -> np.ndarray:
         """``bool[C]``: classes that ban token ``w`` (one contiguous row of the word-major copy, ~10 µs)."""
         return ((self.bt[w >> 5] >> (w & 31)) & 1).astype(bool)
@@ -383,6 +402,68 @@ class _Analysis:
             return False
         b = self.bad[t]
         return b is None or not b[sig, cls]
+
+    def succ_good_many(self, tgts: np.ndarray, cv: np.ndarray, nsig: np.ndarray) -> np.ndarray:
+        """Vectorized :meth:`succ_good`: ``tgts: int64[n]`` target regex state per row of ``cv``/``nsig``
+        (``int64[n]`` or ``int64[n, m]``, class reached and lookahead-set index). Returns bool of
+        ``cv``'s shape; one gather per distinct target state whose table is not all good."""
+        good = nsig >= 0
+        if not len(tgts):
+            return good
+        order = np.argsort(tgts, kind="stable")
+        ts = tgts[order]
+        cuts = np.flatnonzero(np.diff(ts)) + 1
+        for rows in np.split(order, cuts):
+            b = self.bad[int(tgts[rows[0]])]
+            if b is not None:
+                good[rows] &= ~b[np.maximum(nsig[rows], 0), cv[rows]]
+        return good
+
+    # special tokens checked per batch in specials_clear: the [tokens x classes] work arrays stay
+    # below this many entries
+    _BATCH_CELLS = 1 << 22
+
+    def specials_clear(self, k_arr: np.ndarray, sig: int, toks: np.ndarray, tgts: np.ndarray) -> np.ndarray:
+        """``bool[len(k_arr)]``: for each class of ``k_arr``, whether some special token of ``toks``
+        (→ regex states ``tgts``) is allowed after (class, σ) and leads to a good state. Vectorized over
+        tokens × classes in batches (Tekken has ~14k context-dependent tokens); byte-fallback tokens
+        that open a character (SentencePiece, ≤ 256) go through :meth:`special_ok` one by one."""
+        H = self.H
+        out = np.zeros(len(k_arr), dtype=bool)
+        if not len(toks) or not len(k_arr):
+            return out
+        lf = H.la_first[toks]
+        sel = (H.tclass[toks] >= 0) & (lf >= 0) & H.sigma_la[sig][np.maximum(lf, 0)]
+        inner = sel & (H.tok_bf_byte[toks] >= 0) & (self.bf_start[toks] >= 0)
+        sel &= ~inner
+        vt, vg = toks[sel], tgts[sel]
+        if len(vt):
+            vt_order = np.argsort(H.est_ban[vt], kind="stable")  # likely witnesses first
+            vt, vg = vt[vt_order], vg[vt_order]
+            jw = H.j_of[vt]
+            a = 0
+            while a < len(vt):
+                live = np.flatnonzero(~out)
+                if not len(live):
+                    return out
+                kk = k_arr[live]
+                b = min(len(vt), a + max(16, self._BATCH_CELLS // len(kk)))
+                t_b, g_b, j_b = vt[a:b], vg[a:b], jw[a:b]
+                ok = ~H.banned_matrix(kk, t_b)
+                cv = H.next_cls_matrix(kk, t_b)
+                nsig = np.zeros_like(cv)
+                ws = np.flatnonzero(j_b >= 0)
+                if len(ws):
+                    nsig[ws] = H.la_sets_idx[np.ix_(kk, j_b[ws])].T
+                ok &= self.succ_good_many(g_b, cv, nsig)
+                out[live[ok.any(axis=0)]] = True
+                a = b
+        for v, t in zip(toks[inner].tolist(), tgts[inner].tolist()):
+            idx = np.flatnonzero(~out)
+            if not len(idx):
+                break
+            out[idx[self.special_ok(k_arr[idx], sig, v, t)]] = True
+        return out
 
     def byte_moves(self, s: int, k: int, sig: int, a: int):
         """Yield ``(v, good)`` for each byte-fallback token v allowed in product state (s, a, k, σ) with
@@ -625,13 +706,7 @@ class _Analysis:
                 if len(idx):
                     if specials is None:
                         specials = self.specials_of(s)
-                    for v, t in zip(*[x.tolist() for x in specials]):
-                        ok = self.special_ok(idx, i, v, t)
-                        if ok.any():
-                            cand[idx[ok]] = False
-                            idx = idx[~ok]
-                            if not len(idx):
-                                break
+                    cand[idx[self.specials_clear(idx, i, *specials)]] = False
             res[i] = cand
             if time.perf_counter() > self.deadline:
                 raise CompileBudgetError("canonical product exceeded the time budget", None)
@@ -848,13 +923,13 @@ class FactoredCanonical:
         plain = badmask >= 0
         ok &= ~(plain & (((np.maximum(badmask, 0) >> np.maximum(nsig, 0)) & 1) == 1))
         inner = (H.tok_bf_byte[toks] >= 0) & (an.bf_start[toks] >= 0)
-        for i in np.flatnonzero(ok & (inner | ~plain)).tolist():
+        ctx = np.flatnonzero(ok & ~inner & ~plain)
+        if len(ctx):
+            cv = H.next_cls_matrix(np.array([k]), toks[ctx])[:, 0]
+            ok[ctx] = an.succ_good_many(tgts[ctx], cv, nsig[ctx])
+        for i in np.flatnonzero(ok & inner).tolist():
             v = int(toks[i])
-            cv = H.next_cls(k, v)
-            if inner[i]:
-                ok[i] = an.inner_good(int(tgts[i]), cv, int(nsig[i]), int(an.bf_start[v]))
-            else:
-                ok[i] = an.succ_good(int(tgts[i]), cv, int(nsig[i]))
+            ok[i] = an.inner_good(int(tgts[i]), H.next_cls(k, v), int(nsig[i]), int(an.bf_start[v]))
         return ok
 
     def next_states(self, state: int, toks: np.ndarray) -> np.ndarray:
@@ -869,8 +944,7 @@ class FactoredCanonical:
         nsig = np.where(j >= 0, H.la_sets_idx[k, np.maximum(j, 0)], 0)
         cv = H.tclass[toks].astype(np.int64)
         if H.has_ctx:
-            for i in np.flatnonzero(H.ctx_j[toks] >= 0).tolist():
-                cv[i] = H.next_cls(k, int(toks[i]))
+            cv = H.next_cls_matrix(np.array([k]), toks)[:, 0]
         a2 = np.zeros(len(toks), dtype=np.int64)
         if H.acc is not None:
             b = H.tok_bf_byte[toks]
