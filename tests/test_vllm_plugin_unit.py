@@ -122,6 +122,7 @@ class FakeArtifacts:
 
 COMPILE_CALLS: list[tuple[str, plugin.FstRequestOptions]] = []
 COMPILE_BUDGETS: list[float] = []
+PREPARED: list = []
 
 
 def fake_compile(regex, artifacts, options, budget_s):
@@ -144,7 +145,9 @@ def fake_stages(monkeypatch):
     ctx = plugin.TokenizerContext(FakeArtifacts(), tokenizer_path="fake-tokenizer")
     monkeypatch.setattr(plugin, "compile_function", fake_compile)
     monkeypatch.setattr(plugin, "matcher_factory", FakeMatcher)
+    monkeypatch.setattr(plugin, "prepare_function", lambda artifacts: PREPARED.append(artifacts))
     monkeypatch.setattr(plugin, "get_tokenizer_context", lambda model_config: ctx)
+    PREPARED.clear()
     COMPILE_CALLS.clear()
     COMPILE_BUDGETS.clear()
     return ctx
@@ -353,6 +356,25 @@ def test_compile_budgets_validation_and_engine(fake_stages, monkeypatch):
     assert not isinstance(e.value, VLLMValidationError)
     with pytest.raises(plugin.InvalidOptionError, match="positive"):
         backend.compile_request("REGEX", "mn")
+
+
+def test_backend_prepares_compiler_in_background(fake_stages, monkeypatch):
+    """The engine's backend builds the compiler's per-tokenizer structures at start-up, off the request
+    path; a failure there is logged, not raised (the first compile reports it to its request)."""
+    backend = plugin.FstBackend(_vllm_config(), tokenizer=None, vocab_size=64)
+    for _ in range(100):
+        if PREPARED:
+            break
+        time.sleep(0.01)
+    assert PREPARED == [backend.context.artifacts]
+
+    def boom(artifacts):
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(plugin, "prepare_function", boom)
+    th = backend.context.prepare_in_background()
+    th.join(5)
+    assert not th.is_alive()
 
 
 def test_validation_other_backends_untouched(fake_stages):

@@ -689,6 +689,12 @@ def _default_compile(regex: str, artifacts: Any, options: FstRequestOptions, bud
     return compile_regex(regex, artifacts, options.compile_options(), budgets=CompileBudgets(time_budget_s=budget_s))
 
 
+def _default_prepare(artifacts: Any) -> None:
+    from vllm_fst_backend.compiler import prepare
+
+    prepare(artifacts, canonical=getattr(artifacts, "canonical", None) is not None)
+
+
 def _default_matcher(compiled: Any):
     from vllm_fst_backend.runtime.matcher import FstMatcher
 
@@ -698,6 +704,7 @@ def _default_matcher(compiled: Any):
 # Hooks (tests replace them; production leaves them alone).
 compile_function: Callable[[str, Any, FstRequestOptions, float], Any] = _default_compile
 matcher_factory: Callable[[Any], Any] = _default_matcher
+prepare_function: Callable[[Any], None] = _default_prepare
 
 
 @dataclasses.dataclass
@@ -735,6 +742,25 @@ class TokenizerContext:
                 break
             self._cache.popitem(last=False)
             self.nbytes -= self._sizes.pop(key, 0)
+
+    def prepare_in_background(self) -> threading.Thread:
+        """Build the compiler's per-tokenizer structures (``compiler.prepare``: token trie, canonical
+        helper; ~2 s for SmolLM2, ~14 s for Tekken on 2 cores, docs/benchmarks.md "Canonical compile per
+        tokenizer") in a daemon thread, so that the first request does not wait for them. A failure is
+        only logged: the first compile then builds them (and reports any error to its request)."""
+
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                prepare_function(self.artifacts)
+            except Exception as e:
+                logger.warning("fst: background preparation of the compiler failed: %s", e)
+                return
+            logger.info("fst: compiler prepared for %s in %.1f s", self.tokenizer_path, time.monotonic() - t0)
+
+        th = threading.Thread(target=run, name="fst-prepare", daemon=True)
+        th.start()
+        return th
 
     def peek(self, regex: str, options: FstRequestOptions) -> Any:
         """The compiled automaton if it is already in the cache (finished), else None; never compiles."""
@@ -1002,6 +1028,7 @@ class FstBackend(_BackendBase):
             V,
             self.vocab_size,
         )
+        self.context.prepare_in_background()
 
     # ABC entry point (default options; vLLM's manager is routed to compile_request instead)
     def compile_grammar(self, request_type: Any, grammar_spec: str, stop_token_ids: set[int] | None = None):

@@ -19,12 +19,15 @@ product states per regex state, so the product is not enumerated; instead:
    (``None`` when there are none, the common case). Per state and lookahead set, all classes are
    tested at once: a few *witness* tokens (allowed at s, successor good, rarely banned) clear most
    classes with one column read of ``banned_rows`` each; the remaining classes are checked exactly with
-   row operations (``rows AND ~banned AND lookahead rows``). States with equal (edges, successor
-   verdicts) share the result.
-2. **Rows.** ``row(s, 0, k, S) = base[s] & ~banned[k] & la_row[S]`` plus the few *special* tokens
-   whose successor depends on k (whitespace-final tokens: lookahead; byte-fallback tokens that start a
-   multi-byte character), plus EOS bits when s is accepting and END ∈ S. ``base[s]`` holds the other
-   allowed tokens whose successor is good; it is computed per distinct regex state signature.
+   row operations (``rows AND ~banned AND lookahead rows``), then against the *special* tokens (below)
+   in batches of a [tokens × classes] matrix (:meth:`_Analysis.specials_clear`: Tekken has ~14k
+   context-dependent tokens; one by one they cost 25 s per free-text compile). States with equal
+   (edges, successor verdicts) share the result.
+2. **Rows.** ``row(s, 0, k, S) = base[s] & ~banned[k] & la_row[S]`` plus the *special* tokens whose
+   successor depends on k (whitespace-final tokens: lookahead; context-dependent tokens: their class,
+   ``ctx_classes``; byte-fallback tokens that start a multi-byte character), checked vectorized, plus
+   EOS bits when s is accepting and END ∈ S. ``base[s]`` holds the other allowed tokens whose
+   successor is good; it is computed per distinct regex state signature.
 3. **Representation.** If the reachable product is small (multiple choice, dates, IPv4, ...), it is
    enumerated into an explicit :class:`CompiledAutomaton` (token-level CSR, all arrays complete).
    Otherwise the automaton is *factored*: states are packed ints, rows are computed on first use and
@@ -92,6 +95,7 @@ class CanonHelper:
     """
 
     def __init__(self, cf, trie):
+        from ..artifacts.canonical import incomplete_tail
         from .regex_to_bytes import _gadget
         from .token_trie import canonical_byte_ranges
 
@@ -162,17 +166,13 @@ class CanonHelper:
         ends_mid = np.zeros(self.V, dtype=bool)
         ends_cb = np.ones(self.V, dtype=bool)
         for t, b in enumerate(trie.token_bytes):
-            if b:
-                k = len(b) - 1
-                while k >= 0 and (b[k] & 0xC0) == 0x80:
-                    k -= 1
-                if k < 0:  # only continuation bytes: may complete a character or stay inside one
-                    ends_mid[t] = True
-                elif b[k] >= 0xC0:
-                    need = 2 if b[k] < 0xE0 else 3 if b[k] < 0xF0 else 4
-                    if len(b) - k < need:
-                        ends_mid[t] = True
-                        ends_cb[t] = False
+            if not b:
+                continue
+            if all((x & 0xC0) == 0x80 for x in b):  # only continuation bytes: may complete a character or not
+                ends_mid[t] = True
+            elif incomplete_tail(b) < len(b):
+                ends_mid[t] = True
+                ends_cb[t] = False
         ends_mid |= self.tok_bf_byte >= 0
         valid = self.tclass >= 0
         self.cls_boundary = np.zeros(self.C, dtype=bool)
