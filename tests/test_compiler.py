@@ -89,6 +89,21 @@ def test_random_regexes(fst_artifacts, fst_infos, name, canonical, regex, seed):
             check_coaccessible(c, seen, edges)
 
 
+def _check_canonical_walks(c, info, regex: str, seed: int, max_steps: int) -> None:
+    """25 random walks (EOS with probability 0.5): at least one ends, and every one that ends decodes to
+    a match of ``regex`` whose canonical tokenization (the tokenizer, the oracle) is the walk."""
+    rnd = random.Random(seed)
+    n_done = 0
+    for _ in range(25):
+        ids, done = random_walk(c, rnd, max_steps=max_steps, p_eos=0.5)
+        if done:
+            n_done += 1
+            text = decode_text(info, ids)
+            assert fullmatch(regex, text), (regex, text)
+            assert ids == oracle_ids(info, text), (regex, text, ids)
+    assert n_done > 0
+
+
 @pytest.mark.parametrize("name", TOKENIZERS)
 @pytest.mark.parametrize(
     "regex",
@@ -109,16 +124,7 @@ def test_fixed_regexes_walks(fst_artifacts, fst_infos, name, regex):
     """Properties 1, 2, 4 on the benchmark-like regexes (canonical)."""
     arts, info = fst_artifacts(name), fst_infos(name)
     c = compile_regex(regex, arts, CompileOptions())
-    rnd = random.Random(1)
-    n_done = 0
-    for _ in range(25):
-        ids, done = random_walk(c, rnd, max_steps=250, p_eos=0.5)
-        if done:
-            n_done += 1
-            text = decode_text(info, ids)
-            assert fullmatch(regex, text), (regex, text)
-            assert ids == oracle_ids(info, text), (regex, text, ids)
-    assert n_done > 0
+    _check_canonical_walks(c, info, regex, seed=1, max_steps=250)
     for text in matching_texts(regex, 10, 3):
         assert _accepts(c, oracle_ids(info, text)), (regex, text)
     if c.mode == "explicit":
@@ -138,16 +144,7 @@ def test_tekken_context_dependent_tokens(fst_artifacts, fst_infos, regex):
 
     arts, info = fst_artifacts("tekken"), fst_infos("tekken")
     c = compile_regex(regex, arts, CompileOptions(), budgets=CompileBudgets(time_budget_s=120))
-    rnd = random.Random(3)
-    n_done = 0
-    for _ in range(25):
-        ids, done = random_walk(c, rnd, max_steps=120, p_eos=0.5)
-        if done:
-            n_done += 1
-            text = decode_text(info, ids)
-            assert fullmatch(regex, text), (regex, text)
-            assert ids == oracle_ids(info, text), (regex, text, ids)
-    assert n_done > 0
+    _check_canonical_walks(c, info, regex, seed=3, max_steps=120)
     texts = matching_texts(regex, 10, 3)
     if "^\\n" in regex:
         texts += [x + "\n" for x in load_real_lines() if 0 < len(x) <= 30 and "\n" not in x][:300]

@@ -116,7 +116,6 @@ class CanonHelper:
         self.ctx_j = np.asarray(ctx).astype(np.int64) if ctx is not None else np.full(self.V, -1, np.int64)
         self.class_group = np.asarray(cf.class_group).astype(np.int64) if ctx is not None else np.zeros(self.C + 1, np.int64)
         self.ctx_classes = np.asarray(cf.ctx_classes).astype(np.int64) if ctx is not None else np.zeros((0, 1), np.int64)
-        self.has_ctx = bool((self.ctx_j >= 0).any())
         la_sets = np.asarray(cf.la_sets).astype(np.uint64)
         vals = sorted(set(int(x) for x in np.unique(la_sets)) - {0, self.ALL})
         self.sigmas = [self.ALL] + vals
@@ -427,7 +426,7 @@ class _Analysis:
         """``bool[len(k_arr)]``: for each class of ``k_arr``, whether some special token of ``toks``
         (→ regex states ``tgts``) is allowed after (class, σ) and leads to a good state. Vectorized over
         tokens × classes in batches (Tekken has ~14k context-dependent tokens); byte-fallback tokens
-        that open a character (SentencePiece, ≤ 256) go through :meth:`special_ok` one by one."""
+        that open a character (SentencePiece, ≤ 256) go through :meth:`opening_byte_ok` one by one."""
         H = self.H
         out = np.zeros(len(k_arr), dtype=bool)
         if not len(toks) or not len(k_arr):
@@ -462,7 +461,7 @@ class _Analysis:
             idx = np.flatnonzero(~out)
             if not len(idx):
                 break
-            out[idx[self.special_ok(k_arr[idx], sig, v, t)]] = True
+            out[idx[self.opening_byte_ok(k_arr[idx], v, t)]] = True
         return out
 
     def byte_moves(self, s: int, k: int, sig: int, a: int):
@@ -607,30 +606,20 @@ class _Analysis:
         hit = gs[pos] == self.spec_group
         return self.spec_toks[hit], ts[pos[hit]].astype(np.int64)
 
-    def special_ok(self, k_arr: np.ndarray, sig: int, v: int, t: int) -> np.ndarray:
-        """For classes ``k_arr``: is special token v (→ regex state t) allowed and its successor good?"""
+    def opening_byte_ok(self, k_arr: np.ndarray, v: int, t: int) -> np.ndarray:
+        """For classes ``k_arr``: is byte-fallback token v, which opens a multi-byte character (→ regex
+        state t), allowed after the class with some completion of the character leading to a good state
+        (:meth:`inner_good`)? The caller has checked v's validity and lookahead class."""
         H = self.H
-        lf = int(H.la_first[v])
-        if int(H.tclass[v]) < 0 or lf < 0 or not H.sigma_la[sig, lf]:
-            return np.zeros(len(k_arr), dtype=bool)
         allowed = ~H.bcol(v)[k_arr]
         cv_arr = H.next_cls(k_arr, v)  # class reached, per previous class
         j = int(H.j_of[v])
-        a2 = int(self.bf_start[v]) if H.tok_bf_byte[v] >= 0 else -3
-        if a2 >= 0:
-            out = np.zeros(len(k_arr), dtype=bool)
-            for i in np.flatnonzero(allowed).tolist():
-                k = int(k_arr[i])
-                nsig = int(H.la_sets_idx[k, j]) if j >= 0 else 0
-                out[i] = self.inner_good(t, int(cv_arr[i]), nsig, a2)
-            return out
-        nsig = H.la_sets_idx[k_arr, j] if j >= 0 else np.zeros(len(k_arr), np.int64)
-        b = self.bad[t]
-        if b is None:
-            good = nsig >= 0
-        else:
-            good = (nsig >= 0) & ~b[np.maximum(nsig, 0), cv_arr]
-        return allowed & good
+        a2 = int(self.bf_start[v])
+        out = np.zeros(len(k_arr), dtype=bool)
+        for i in np.flatnonzero(allowed).tolist():
+            nsig = int(H.la_sets_idx[int(k_arr[i]), j]) if j >= 0 else 0
+            out[i] = self.inner_good(t, int(cv_arr[i]), nsig, a2)
+        return out
 
     # --- one state -------------------------------------------------------------------------------------
 
@@ -942,9 +931,7 @@ class FactoredCanonical:
         t = M.edge_next[np.minimum(pos, len(M.edge_next) - 1)].astype(np.int64)
         j = H.j_of[toks]
         nsig = np.where(j >= 0, H.la_sets_idx[k, np.maximum(j, 0)], 0)
-        cv = H.tclass[toks].astype(np.int64)
-        if H.has_ctx:
-            cv = H.next_cls_matrix(np.array([k]), toks)[:, 0]
+        cv = H.next_cls_matrix(np.array([k]), toks)[:, 0]
         a2 = np.zeros(len(toks), dtype=np.int64)
         if H.acc is not None:
             b = H.tok_bf_byte[toks]
