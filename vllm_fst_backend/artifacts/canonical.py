@@ -63,30 +63,49 @@ compiler a per-state check, so fewer is faster. The build summary gives the figu
 
 Split characters (byte-level tokens that split a UTF-8 character)
 -----------------------------------------------------------------
-A pre-tokenizer never splits inside a character. A token ending inside a character gets a stand-in
-for it (:class:`_TailChars`: a character of the class with the most weight among the completions of
-its lead bytes, weighted by the vocabulary -- a symbol for ``F0`` and ``F0 9F``, emoji, which Tekken's
-regex treats as punctuation; a letter for ``E0 A4``); a token starting inside one continues that same
-character. So at a junction inside a character neither side is a chunk boundary: the boundary before
-the character belongs to the left token, the one after it to the right token (``category`` in
-:func:`build_canonical_filter`). The context state carries how many bytes the pending character
-still misses, so a token of continuation bytes only (Tekken spells many emoji ``F0`` ``9F`` ``91``
-``A8``, one byte each) either completes it or leaves it pending. Joined bytes that are invalid UTF-8
-in any other way never reach the output (the UTF-8 filter removes them) and get the same definition.
+A pre-tokenizer never splits inside a character. So at a junction inside a character neither side is
+a chunk boundary: the boundary before the character belongs to the left token, the one after it to
+the right token (``category`` in :func:`build_canonical_filter`). Which boundaries fall there depends on
+the character, which neither token holds alone. Three mechanisms keep it exact:
 
-Remaining limits, documented not handled: (1) the stand-in is fixed by the bytes the token that
-opens the character holds, so where their completions mix classes, the minority completions are
-judged as the majority (``F0 9F 84 80``, a digit among emoji; Devanagari marks after a split
-``E0 A4``; a mathematical letter ``F0 9D ..`` spelled one byte per token gets ``F0``'s symbol). Real
-text meets it where Tekken spells U+FE0F (the emoji variation selector, a mark) as ``EF`` ``B8``
-``8F``, one byte each: ``EF``'s stand-in is a symbol, so ``❤️\\u200d`` in an escaped JSON string is
-refused at ``\\u`` (9 lines of the real-text test; ``tests/test_canonical.py`` checks that every
-refusal is of this kind). The exact fix -- a pending state holding the character's bytes so far, so
-that the completing token completes it exactly -- exists on branch ``wip/exact-pending-chars`` but
-multiplies the context states (Tekken > 4,000 found) and the context-dependent tokens (SmolLM2 1,289),
-which slows both the build and the compiler. (2) The pre-tokenizer's *lookahead* is tracked only for
-whitespace runs (above); Tekken's letter alternatives can also move a boundary back over an uppercase
-run (``中AB`` + ``c`` is one chunk, ``中AB`` + ``!`` is ``中`` ``AB``), which no bounded context sees.
+* *Pairs*: representatives carry the bytes of the incomplete character a token ends with and the
+  continuation bytes a token starts with; where the two complete a character c, the junction is
+  judged with c itself (``exact_cells``: ``D9`` + ``A8`` is U+0668, a digit, although most characters
+  after ``D9`` are Arabic letters).
+* *Lead states*: a token ending in the first bytes P of a character whose completions are of more
+  than one class (:meth:`_TailChars.mixed`; Tekken spells U+FE0F, the emoji variation selector and a
+  mark, ``EF`` ``B8`` ``8F``, one byte per token, while most characters after ``EF`` are symbols) leads
+  to the context state (y, P), y the chunk prefix before the character. A continuation token read
+  there is read in the ordinary state of y followed by the character it completes (``dispatch``), or,
+  when it leaves the character incomplete, by the stand-in of the longer prefix (``EF B8``: a mark,
+  as U+FE0F is).
+* *Stand-ins*: everywhere else an incomplete character gets a stand-in (:class:`_TailChars`: a
+  character of the class with the most weight among the completions of its first bytes, weighted by
+  the vocabulary -- a symbol for ``F0 9F``, emoji, which Tekken's regex treats as punctuation; a
+  letter for ``E0 A4``), and the context state carries how many bytes the pending character still
+  misses, so a token of continuation bytes only either completes it or leaves it pending. Where all
+  completions share a class the stand-in is exact.
+
+A token of continuation bytes only that may complete a whitespace character (``A0`` after ``C2``:
+U+00A0) is whitespace-final for the lookahead rule above; its lookahead sets decide per class. Joined
+bytes that are invalid UTF-8 in any other way never reach the output (the UTF-8 filter removes them)
+and get the same definition. ``tests/test_canonical.py`` checks every character-splitting pair and a
+sample of triples through split characters against the tokenizer (zero disagreements).
+
+Remaining limits, documented not handled: (1) a character split over three or more tokens whose
+bytes after the second token still leave mixed classes is judged from there on by the stand-in of
+those bytes, and the boundary *before* a character that only a later token completes is judged with
+the stand-in of the bytes the left token holds (SmolLM2: `` E2`` ``81`` ``9F``, U+205F, whitespace,
+before a letter; 1 of 357,888 sampled four-token sequences through such characters; Tekken: mostly
+ideographs of planes 2-3). Following each such character byte by byte (lead states chained through
+the longer prefixes) is exact for SmolLM2 but gives Tekken ~1,000 context states, 3,500 more classes
+(480 MB of arrays) and 3x slower free-text compiles, so it is not done. (1b) Character classes come
+from Python's Unicode tables (``unicodedata``, Unicode 14 on Python 3.11), the pre-tokenizer's from
+its regex engine: code points assigned after Unicode 14 (CJK extension H, U+31350..) are unassigned
+to the first and letters to the second, so split across tokens they are judged as symbols. (2) The
+pre-tokenizer's *lookahead* is tracked only for whitespace runs (above); Tekken's letter alternatives
+can also move a boundary back over an uppercase run (``中AB`` + ``c`` is one chunk, ``中AB`` + ``!`` is
+``中`` ``AB``), which no bounded context sees.
 
 SentencePiece byte-fallback tokens never merge (they stand for characters outside the
 vocabulary), so they are never in conflict; which bytes may use them is decided by the detokenizer's
@@ -106,7 +125,7 @@ from .tokenizer_info import SP_SPACE, TokenizerInfo
 
 INF = np.iinfo(np.int64).max
 # Bumped whenever the filter's arrays or their meaning change (the build compares it: see build.py).
-CANONICAL_VERSION = 4
+CANONICAL_VERSION = 5
 BANNED, SPLIT, JOIN = 0, 1, 2
 _RUN_CAP = 3
 _PARTIAL_REP = "\u4e2d"  # 中, class Lo: stands for a character split across tokens
@@ -432,14 +451,15 @@ class _TailChars:
     """Stand-in characters for UTF-8 characters split after their first 1-3 bytes (``lead``).
 
     The stand-in is the first completion of the class (:func:`_coarse_signature`) with the largest
-    weight among the assigned characters that start with ``lead``. Weights come from the vocabulary,
+    weight among the assigned characters that start with ``lead`` (among all valid ones where none is
+    assigned: ``EE``, private use, gets a private-use character). Weights come from the vocabulary,
     the tokenizer's own evidence of what is common: a completion weighs the number of tokens that
     contain it; when none does, each next byte ``x`` weighs the number of tokens containing the bytes
     ``lead + x``, shared among the classes of its completions; without any evidence every code point
     weighs 1. So ``F0`` and ``F0 9F`` get a symbol (emoji, punctuation to Tekken's regex, although most
     code points after ``F0`` are CJK letters), ``E0 A4`` a letter. Exact whenever all completions share
-    a class; otherwise the minority completions are judged as the majority (module docstring,
-    "Remaining limits"). Cached per ``lead``."""
+    a class (:meth:`mixed` says where not: there the build tracks the bytes themselves, module
+    docstring, "Split characters"). Cached per ``lead``."""
 
     def __init__(self, token_bytes):
         self._freq: dict[str, int] = {}
@@ -454,9 +474,11 @@ class _TailChars:
         self._classes_cache: dict[bytes, tuple] = {}
         self._cache: dict[bytes, str] = {}
 
-    def _classes(self, lead: bytes) -> tuple[dict, dict, dict]:
-        """(code points per class, vocabulary weight per class, first completion per class)."""
-        got = self._classes_cache.get(lead)
+    def _classes(self, lead: bytes, every: bool = False) -> tuple[dict, dict, dict]:
+        """(code points per class, vocabulary weight per class, first completion per class) over the
+        assigned completions of ``lead``, or with ``every`` over all of them (private-use and
+        unassigned code points too: valid UTF-8 a model may write)."""
+        got = self._classes_cache.get((lead, every))
         if got is not None:
             return got
         rest = _utf8_length(lead[0]) - len(lead)
@@ -469,14 +491,19 @@ class _TailChars:
                 c = (lead + tail).decode("utf-8")
             except UnicodeDecodeError:
                 continue
-            if unicodedata.category(c) in ("Cs", "Cn", "Co"):
+            if unicodedata.category(c) in (("Cs",) if every else ("Cs", "Cn", "Co")):
                 continue
             g = _coarse_signature(c)
             by_count[g] = by_count.get(g, 0) + 1
             by_freq[g] = by_freq.get(g, 0) + self._freq.get(c, 0)
             first.setdefault(g, c)
-        got = self._classes_cache[lead] = (by_count, by_freq, first)
+        got = self._classes_cache[(lead, every)] = (by_count, by_freq, first)
         return got
+
+    def mixed(self, lead: bytes) -> bool:
+        """Whether the completions of ``lead`` (a valid UTF-8 prefix) fall into more than one class
+        (:func:`_coarse_signature`): only then can a stand-in misjudge one of them."""
+        return 0xC2 <= lead[0] <= 0xF4 and len(self._classes(lead, every=True)[0]) > 1
 
     def __call__(self, lead: bytes) -> str:
         got = self._cache.get(lead)
@@ -492,9 +519,22 @@ class _TailChars:
                 for g, m in sub.items():
                     weight[g] = weight.get(g, 0) + n * m / total
         weight = weight or by_count
+        if not weight:  # no assigned completion (private use, U+E000..): judge by what there is
+            weight, _, first = self._classes(lead, every=True)
         out = first[max(weight, key=weight.get)] if weight else _PARTIAL_REP
         self._cache[lead] = out
         return out
+
+
+def _whitespace_tails() -> set[bytes]:
+    """The proper suffixes (continuation bytes only) of the UTF-8 encodings of whitespace characters
+    (``str.isspace``): a token made of one of them may complete a whitespace character."""
+    out = set()
+    for cp in range(0x80, 0x3001):
+        if chr(cp).isspace():
+            enc = chr(cp).encode("utf-8")
+            out |= {enc[k:] for k in range(1, len(enc))}
+    return out
 
 
 def incomplete_tail(b: bytes, start: int = 0) -> int:
@@ -637,13 +677,16 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     ) != len(info.chunk_spans("'xx"))
     mapper = _RepMapper(kind, contractions)
     tail_char = _TailChars(info.token_bytes)
+    ws_tails = _whitespace_tails()
     steps = tqdm(total=6, desc="canonical filter", disable=not progress, unit="step")
 
     # 1. standalone canonicality, merge trees and spines ------------------------------------------
     ok = np.zeros(V, dtype=bool)
     rspine: list[list] = [[] for _ in range(V)]
     lspine: list[list] = [[] for _ in range(V)]
-    reps: list[tuple | None] = [None] * V  # (representative text, lead, rem): see _surface_text
+    # (representative text, lead, rem, head, tail): see _surface_text; head = the leading continuation
+    # bytes, tail = the bytes of an incomplete character at the end (module docstring, "Split characters")
+    reps: list[tuple | None] = [None] * V
     first_rep: list[str | None] = [None] * V
     ws_final = np.zeros(V, dtype=bool)
     for t in range(V):
@@ -658,7 +701,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
                 continue
             ok[t] = True
             rspine[t] = lspine[t] = [(t, -1, INF)]
-            reps[t] = (_PARTIAL_REP, 0, 0)
+            reps[t] = (_PARTIAL_REP, 0, 0, b"", b"")
             first_rep[t] = _PARTIAL_REP
             continue
         try:
@@ -673,18 +716,31 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
             continue
         ok[t] = True
         rspine[t], lspine[t] = _spines(nodes, seq[0])
-        reps[t] = (mapper.text(text), lead, rem)
+        reps[t] = (mapper.text(text), lead, rem, b[:lead], b[incomplete_tail(b, lead):] if rem else b"")
         first_rep[t] = mapper.char(text[0])
-        ws_final[t] = (not rem) and text[-1].isspace()
+        # whitespace-final: ends with whitespace, or is continuation bytes only that may complete a
+        # whitespace character (``A0`` after ``C2``: U+00A0); which one the lookahead sets decide
+        ws_final[t] = (not rem) and (b[:lead] in ws_tails if lead == len(b) else text[-1].isspace())
     steps.update()
 
     # 2. pre-tokenizer categories over representative strings ------------------------------------
+    # A representative's first three fields (text, lead, rem) decide its chunk categories; the last two
+    # (literal head and tail bytes) matter only where two tokens complete a split character (exact
+    # cells, lead states). Categories are computed once per *base* (the first three fields) and
+    # expanded to all representatives sharing it.
     rep_ids: dict[tuple, int] = {}
     tok_rep = np.full(V, -1, dtype=np.int32)
     for t in np.flatnonzero(ok):
         tok_rep[t] = rep_ids.setdefault(reps[t], len(rep_ids))
     rep_list = list(rep_ids)
     R = len(rep_list)
+    base_ids: dict[tuple, int] = {}
+    base_of = np.array([base_ids.setdefault(r[:3], len(base_ids)) for r in rep_list], dtype=np.int64)
+    base_list = list(base_ids)
+    Rb = len(base_list)
+    members: list[list[int]] = [[] for _ in range(Rb)]
+    for i in range(R):
+        members[int(base_of[i])].append(i)
     la_chars = sorted({first_rep[t] for t in np.flatnonzero(ok)})
     L = len(la_chars)
     if L > 63:
@@ -695,8 +751,12 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         la_first[t] = la_index[first_rep[t]]
     ws_rep = sorted({int(tok_rep[t]) for t in np.flatnonzero(ws_final & ok)})
     ws_rep_pos = {r: i for i, r in enumerate(ws_rep)}
+    ws_base = sorted({int(base_of[j]) for j in ws_rep})
+    ws_base_pos = {r: i for i, r in enumerate(ws_base)}
+    ws_expand = np.array([ws_base_pos[int(base_of[j])] for j in ws_rep], dtype=np.int64)  # full ws -> base ws
+    row_expand = np.append(base_of, Rb)  # full row index (R = start of text) -> base row index
     EMPTY = ("", 0, 0)
-    NO_CTX = ("", 0)
+    NO_CTX = ("", 0, b"")
 
     def pending_after(a: tuple, r: int) -> int:
         """Bytes still missing from the current character after token ``a`` read with ``r`` missing."""
@@ -706,11 +766,11 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
 
     def category(a: tuple, b: tuple, look: str = "", pre: tuple = NO_CTX) -> int:
         """Chunk category of the junction of tokens ``a``|``b`` (representatives as in ``reps``) after
-        the context ``pre`` = (chunk-prefix text, whether its last character continues into ``a``) and
+        the context ``pre`` = (chunk-prefix text, bytes its last character still misses, ...) and
         before the text ``look``. A character split across a junction is one character (the left
         token's stand-in): no chunk boundary can fall inside it, so the boundary before it belongs to
         the left token and the one after it to the right token."""
-        pt, pend = pre
+        pt, pend = pre[0], pre[1]
         at, bt = a[0], b[0]
         mid_a = bool(pend and a[1])  # a starts inside the last character of the context
         if mid_a:
@@ -730,37 +790,105 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
                     junction = True
         return SPLIT if junction else JOIN
 
-    cat = np.empty((R + 1, R), dtype=np.uint8)  # row R: start of text
-    for i, a in enumerate(tqdm(rep_list, desc="pre-tokenizer pairs", disable=not progress, leave=False)):
-        for j, bb in enumerate(rep_list):
-            cat[i, j] = category(a, bb)
-    for j, bb in enumerate(rep_list):
-        cat[R, j] = category(EMPTY, bb)
-    # lookahead verdicts for whitespace-final v: [R+1, n_ws_rep, L+1] (last = END)
-    cat_la = np.empty((R + 1, len(ws_rep), L + 1), dtype=np.uint8)
-    for i in range(R + 1):
-        a = rep_list[i] if i < R else EMPTY
-        for jj, j in enumerate(ws_rep):
-            bb = rep_list[j]
+    def la_row(a: tuple, pre: tuple = NO_CTX) -> np.ndarray:
+        """uint8[n_ws_base, L+1]: verdicts of ``a`` before each whitespace-final base under each
+        lookahead class (last column: END, filled by the caller)."""
+        out = np.empty((len(ws_base), L + 1), dtype=np.uint8)
+        for jj, j in enumerate(ws_base):
+            bb = base_list[j]
             for c, ch in enumerate(la_chars):
-                cat_la[i, jj, c] = category(a, bb, ch)
-            cat_la[i, jj, L] = cat[i, j]
+                out[jj, c] = category(a, bb, ch, pre=pre)
+        return out
+
+    cat_b = np.empty((Rb + 1, Rb), dtype=np.uint8)  # row Rb: start of text
+    for i, a in enumerate(tqdm(base_list, desc="pre-tokenizer pairs", disable=not progress, leave=False)):
+        for j, bb in enumerate(base_list):
+            cat_b[i, j] = category(a, bb)
+    for j, bb in enumerate(base_list):
+        cat_b[Rb, j] = category(EMPTY, bb)
+    # lookahead verdicts for whitespace-final v: [Rb+1, n_ws_base, L+1] (last = END)
+    cat_la_b = np.empty((Rb + 1, len(ws_base), L + 1), dtype=np.uint8)
+    for i in range(Rb + 1):
+        cat_la_b[i] = la_row(base_list[i] if i < Rb else EMPTY)
+        cat_la_b[i, :, L] = cat_b[i, ws_base]
+    cat = cat_b[row_expand][:, base_of]  # [R+1, R]
+    cat_la = cat_la_b[row_expand][:, ws_expand]  # [R+1, n_ws_rep, L+1]
+
+    # Junctions inside a character are judged with the exact character wherever the tokens' bytes
+    # complete it (the stand-in only stands for characters still incomplete).
+    reps_by_head: dict[tuple[int, bytes], list[int]] = {}
+    for j, r in enumerate(rep_list):
+        if r[1]:
+            reps_by_head.setdefault((r[1], r[3]), []).append(j)
+
+    def completions(part: bytes) -> dict[str, list[int]]:
+        """The continuation representatives j that complete the character begun by the bytes
+        ``part``, grouped by the (representative of the) character they complete it to."""
+        need = _utf8_length(part[0]) - len(part)
+        by_char: dict[str, list[int]] = {}
+        for (n, head), js in reps_by_head.items():
+            if n == need:
+                try:
+                    c = (part + head).decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                by_char.setdefault(mapper.char(c), []).extend(js)
+        return by_char
+
+    # exact[i]: for a representative i ending inside a character, (i with the completed character for
+    # its stand-in, context, [j, ...]) per character its continuations complete it to
+    exact: dict[int, list[tuple[tuple, tuple, list[int]]]] = {}
+    for i, r in enumerate(rep_list):
+        if r[4]:
+            got = completions(r[4])
+            if got:
+                exact[i] = [((r[0][:-1] + c, r[1], r[2]), None, js) for c, js in got.items()]
+
+    def exact_cells(cells: list, row: np.ndarray, row_la: np.ndarray, pre: tuple = NO_CTX) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of a representative's verdict rows (``uint8[R]``, ``uint8[n_ws_rep, L+1]``) with the
+        cells of the continuations j that complete the split character judged exactly: ``cells`` lists
+        (representative as judged, context or None for ``pre``, [j, ...])."""
+        row, row_la = row.copy(), row_la.copy()
+        for a, ctx, js in cells:
+            ctx = pre if ctx is None else ctx
+            got: dict[int, int] = {}
+            for j in js:
+                jb = int(base_of[j])
+                v = got.get(jb)
+                if v is None:
+                    v = got[jb] = category(a, base_list[jb], pre=ctx)
+                row[j] = v
+                jj = ws_rep_pos.get(j)
+                if jj is not None:
+                    for cc, ch in enumerate(la_chars):
+                        row_la[jj, cc] = category(a, base_list[jb], ch, pre=ctx)
+                    row_la[jj, L] = v
+        return row, row_la
+
+    for i, cells in exact.items():
+        cat[i], cat_la[i] = exact_cells(cells, cat[i], cat_la[i])
 
     # Left context: the chunk-prefix automaton (module docstring, "Left context"). A state stands for
     # the text of the current pre-token chunk before the next token, up to what the pre-tokenizer can
     # still tell about the future: prefixes with the same verdicts on every probe continuation are one
     # state, represented by the shortest such prefix found (breadth first). State 0 = start of text.
-    probes = sorted({r[0][:2] for r in rep_list} | {r[0][:3] for r in rep_list} | set(la_chars) | {""})
+    # A *lead state* (y, need, P) stands for the chunk prefix y followed by the first bytes P of a
+    # character whose ``need`` continuation bytes are still to come, where P's completions are of
+    # more than one class (module docstring, "Split characters"): it has no verdicts of its own; a
+    # token of continuation bytes read there is read in the ordinary state of y followed by the
+    # character those bytes complete (or by the stand-in of the longer prefix they leave).
+    probes = sorted({r[0][:2] for r in base_list} | {r[0][:3] for r in base_list} | set(la_chars) | {""})
     # screening continuations for a token's verdicts (full rows only where one differs)
-    probe_reps = sorted({(r[0][:2], r[1], 0) for r in rep_list} | {(c, 0, 0) for c in la_chars})
+    probe_reps = sorted({(r[0][:2], r[1], 0) for r in base_list} | {(c, 0, 0) for c in la_chars})
 
     def future(y: str) -> tuple:
         n = len(y)
         return tuple(tuple(s0 - n for s0, _ in info.chunk_spans(y + q) if s0 >= n) for q in probes)
 
-    states: list[tuple[str, int]] = [NO_CTX]  # (chunk prefix, bytes missing from its last character)
+    # (chunk prefix, bytes missing from its last character, first bytes P of a lead state or b"")
+    states: list[tuple[str, int, bytes]] = [NO_CTX]
     state_of_future: dict[tuple, int] = {(0, future("")): 0}
-    state_of_text: dict[tuple[str, int], int] = {NO_CTX: 0}
+    state_of_text: dict[tuple, int] = {("", 0): 0}
 
     def state_of(y: str, pend: int) -> int:
         g = state_of_text.get((y, pend))
@@ -769,31 +897,74 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
             g = state_of_future.get(key)
             if g is None:
                 g = state_of_future[key] = len(states)
-                states.append((y, pend))
+                states.append((y, pend, b""))
             state_of_text[(y, pend)] = g
         return g
 
+    def lead_state(y: str, part: bytes) -> int:
+        """The lead state of chunk prefix ``y`` (up to its state) followed by the incomplete
+        character ``part`` (1-3 bytes)."""
+        y0 = states[state_of(y, 0)][0]
+        key = ("lead", y0, part)
+        g = state_of_future.get(key)
+        if g is None:
+            g = state_of_future[key] = len(states)
+            states.append((y0, _utf8_length(part[0]) - len(part), part))
+        return g
+
     def advance(g: int, a: tuple) -> int:
-        """The state after token representative ``a`` read in state ``g``."""
-        y, pend = states[g]
+        """The state after token representative ``a`` read in (ordinary) state ``g``."""
+        y, pend, _ = states[g]
         at = a[0][1:] if (pend and a[1]) else a[0]
         if not at:  # continuation bytes only: the character completes or stays pending
             return state_of(y, pending_after(a, pend)) if pend else g
         for c in at[:-1]:
             y = states[state_of(y + c, 0)][0]
+        if a[4] and tail_char.mixed(a[4]):
+            return lead_state(y, a[4])
         return state_of(y + at[-1], a[2])
+
+    def dispatch(g: int, a: tuple) -> int:
+        """The ordinary state in which continuation token ``a`` read in lead state ``g`` is judged:
+        the prefix followed by the exact character ``a`` completes, else by the stand-in of the
+        character's bytes with ``a``'s (a longer prefix), else (invalid UTF-8) by the stand-in of the
+        character's bytes so far."""
+        y, need, part = states[g]
+        head = a[3]
+        if a[1] == need:
+            try:
+                return state_of(y + mapper.char((part + head).decode("utf-8")), need)
+            except UnicodeDecodeError:
+                pass
+        prefix = part + head if a[1] < need else part
+        return state_of(y + mapper.char(tail_char(prefix)), need)
 
     succ0 = [advance(0, a) for a in rep_list]
     # ctx_fix[(g, i)] = (cat row, cat_la row or None, successor) where representative i read in state g
     # differs from reading it at a chunk start (row R of the tables; state 0) in verdicts or successor.
     ctx_fix: dict[tuple[int, int], tuple] = {}
-    screen_default: list[list[int] | None] = [None] * R
+    via: dict[tuple[int, int], int] = {}  # (lead state, representative) -> ordinary state it is read in
+    screen_default: list[list[int] | None] = [None] * Rb
+
+    def screen(ib: int) -> list[int]:
+        """Categories of base ``ib`` at a chunk start before the screening continuations."""
+        if screen_default[ib] is None:
+            screen_default[ib] = [category(base_list[ib], q) for q in probe_reps]
+        return screen_default[ib]
+
     g = 1
     pbar = tqdm(desc="left-context states", disable=not progress, leave=False)
     while g < len(states):  # states are discovered while the loop runs
         pre = states[g]
-        pt, pend = pre
-        for i, a in enumerate(rep_list):
+        pt, pend, part = pre
+        if part:
+            for i, a in enumerate(rep_list):
+                if a[1]:  # other tokens start a new character inside this one: invalid UTF-8
+                    via[(g, i)] = dispatch(g, a)
+            g += 1
+            pbar.update()
+            continue
+        for ib, a in enumerate(base_list):
             mid_a = bool(pend and a[1])
             if pend and not mid_a:
                 continue  # a new character inside a pending one: invalid UTF-8, never output
@@ -801,30 +972,28 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
                 spans = info.chunk_spans(pt + a[0])
                 if any(s0 == len(pt) for s0, _ in spans):
                     continue  # a starts a chunk: the context does not reach it
-            succ = advance(g, a)
-            base = cat[i] if not mid_a else None
-            if base is not None and screen_default[i] is None:
-                screen_default[i] = [category(a, q) for q in probe_reps]
-            if base is not None and all(category(a, q, pre=pre) == d for q, d in zip(probe_reps, screen_default[i])):
-                if succ != succ0[i]:
-                    ctx_fix[(g, i)] = (None, None, succ)
-                continue
-            row = np.array([category(a, bb, pre=pre) for bb in rep_list], dtype=np.uint8)
-            row_la = np.empty((len(ws_rep), L + 1), dtype=np.uint8)
-            for jj, j in enumerate(ws_rep):
-                for cc, ch in enumerate(la_chars):
-                    row_la[jj, cc] = category(a, rep_list[j], ch, pre=pre)
-                row_la[jj, L] = row[j]
-            if base is not None and np.array_equal(row, cat[i]) and np.array_equal(row_la, cat_la[i]):
-                row = row_la = None
-            if row is not None or succ != succ0[i]:
-                ctx_fix[(g, i)] = (row, row_la, succ)
+            row = row_la = None
+            if mid_a or not all(category(a, q, pre=pre) == d for q, d in zip(probe_reps, screen(ib))):
+                row_b = np.array([category(a, bb, pre=pre) for bb in base_list], dtype=np.uint8)
+                row_la_b = la_row(a, pre)
+                row_la_b[:, L] = row_b[ws_base]
+                if mid_a or not (np.array_equal(row_b, cat_b[ib]) and np.array_equal(row_la_b, cat_la_b[ib])):
+                    row, row_la = row_b[base_of], row_la_b[ws_expand]
+            for i in members[ib]:
+                succ = advance(g, rep_list[i])
+                row_i, row_la_i = (row, row_la) if row is None or i not in exact else exact_cells(exact[i], row, row_la, pre)
+                if row_i is not None or succ != succ0[i]:
+                    ctx_fix[(g, i)] = (row_i, row_la_i, succ)
         g += 1
         pbar.update()
         pbar.set_postfix(states=len(states), fixes=len(ctx_fix))
     pbar.close()
+    for (g, i), h in via.items():  # a lead state reads a token as the ordinary state it dispatches to
+        f = ctx_fix.get((h, i))
+        if f is not None:
+            ctx_fix[(g, i)] = f
     n_fixes_found = len(ctx_fix)
-    ctx_fix = _reachable_fixes(ctx_fix, succ0, [p for _, p in states], [r[1] > 0 for r in rep_list], cat, cat_la, ws_rep)
+    ctx_fix = _reachable_fixes(ctx_fix, succ0, [s[1] for s in states], [r[1] > 0 for r in rep_list], cat, cat_la, ws_rep)
     n_fixes_kept = len(ctx_fix)
     ctx_fix, succ0, G = _minimize_context(ctx_fix, succ0, len(states))
     fixes_of_rep: dict[int, list] = {}
