@@ -73,6 +73,13 @@ def _pack(mask: np.ndarray, W: int) -> np.ndarray:
     return out.view("<i4").astype(np.int32, copy=False)
 
 
+def _pack_ids(ids: np.ndarray, W: int) -> np.ndarray:
+    """``int32[W]``: the token ids ``ids`` as a bit row (vLLM's layout)."""
+    r = np.zeros(W, dtype=np.int64)
+    np.bitwise_or.at(r, ids >> 5, np.left_shift(1, ids & 31))
+    return r.astype(np.uint32).view(np.int32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Per-tokenizer helper (cached on the artifacts object)
 # --------------------------------------------------------------------------------------------------
@@ -424,9 +431,12 @@ class _Analysis:
 
     def specials_clear(self, k_arr: np.ndarray, sig: int, toks: np.ndarray, tgts: np.ndarray) -> np.ndarray:
         """``bool[len(k_arr)]``: for each class of ``k_arr``, whether some special token of ``toks``
-        (→ regex states ``tgts``) is allowed after (class, σ) and leads to a good state. Vectorized over
-        tokens × classes in batches (Tekken has ~14k context-dependent tokens); byte-fallback tokens
-        that open a character (SentencePiece, ≤ 256) go through :meth:`opening_byte_ok` one by one."""
+        (→ regex states ``tgts``) is allowed after (class, σ) and leads to a good state. Per context
+        group of the classes: context-dependent tokens that reach their default class there are tested
+        like regular tokens (a packed row per group); the others go through :meth:`_pairs_clear`,
+        vectorized over tokens × classes in batches (Tekken has ~14k context-dependent tokens);
+        byte-fallback tokens that open a character (SentencePiece, ≤ 256) go through
+        :meth:`opening_byte_ok` one by one."""
         H = self.H
         out = np.zeros(len(k_arr), dtype=bool)
         if not len(toks) or not len(k_arr):
@@ -440,29 +450,64 @@ class _Analysis:
             vt_order = np.argsort(H.est_ban[vt], kind="stable")  # likely witnesses first
             vt, vg = vt[vt_order], vg[vt_order]
             jw = H.j_of[vt]
-            a = 0
-            while a < len(vt):
-                live = np.flatnonzero(~out)
-                if not len(live):
-                    return out
-                kk = k_arr[live]
-                b = min(len(vt), a + max(16, self._BATCH_CELLS // len(kk)))
-                t_b, g_b, j_b = vt[a:b], vg[a:b], jw[a:b]
-                ok = ~H.banned_matrix(kk, t_b)
-                cv = H.next_cls_matrix(kk, t_b)
-                nsig = np.zeros_like(cv)
-                ws = np.flatnonzero(j_b >= 0)
-                if len(ws):
-                    nsig[ws] = H.la_sets_idx[np.ix_(kk, j_b[ws])].T
-                ok &= self.succ_good_many(g_b, cv, nsig)
-                out[live[ok.any(axis=0)]] = True
-                a = b
+            # A context-dependent token that is not whitespace-final and reaches its default class in
+            # the context group of class k acts after k like a regular token: successor (target,
+            # default class, ALL). So per group: one successor check per such token and one packed
+            # row test per class; the per-pair path below only gets the other tokens (for group 0,
+            # the chunk start, that leaves the whitespace-final ones).
+            ctx_only = (jw < 0) & (H.ctx_j[vt] >= 0)
+            good_t = np.zeros(len(vt), dtype=bool)
+            if ctx_only.any():
+                c = np.flatnonzero(ctx_only)
+                good_t[c] = self.succ_good_many(vg[c], H.tclass[vt[c]].astype(np.int64), np.zeros(len(c), np.int64))
+            groups, ginv = np.unique(H.class_group[k_arr], return_inverse=True)
+            ginv = np.asarray(ginv).reshape(-1)
+            c = np.flatnonzero(ctx_only)
+            same = H.ctx_classes[H.ctx_j[vt[c]]][:, groups] == H.tclass[vt[c]][:, None]  # [len(c), groups]
+            for u in range(len(groups)):
+                in_g = np.flatnonzero(ginv == u)
+                regular_like = np.zeros(len(vt), dtype=bool)
+                regular_like[c] = same[:, u]
+                w = vt[regular_like & good_t]
+                if len(w):
+                    row = _pack_ids(w, H.W)
+                    words = np.flatnonzero(row)
+                    for a0 in range(0, len(in_g), 512):
+                        part = in_g[a0 : a0 + 512]
+                        ok = ((~H.bt[np.ix_(words, k_arr[part])].T) & row[words]).any(axis=1)
+                        out[part[ok]] = True
+                rest = ~regular_like
+                self._pairs_clear(k_arr, in_g, sig, vt[rest], vg[rest], jw[rest], out)
         for v, t in zip(toks[inner].tolist(), tgts[inner].tolist()):
             idx = np.flatnonzero(~out)
             if not len(idx):
                 break
             out[idx[self.opening_byte_ok(k_arr[idx], v, t)]] = True
         return out
+
+    def _pairs_clear(self, k_arr: np.ndarray, idx: np.ndarray, sig: int, vt: np.ndarray, vg: np.ndarray,
+                     jw: np.ndarray, out: np.ndarray) -> None:
+        """The per-pair path of :meth:`specials_clear` for the classes ``k_arr[idx]`` not yet cleared
+        in ``out`` (set in place): tokens ``vt`` (→ regex states ``vg``, lookahead-token indices ``jw``)
+        × classes in batches of at most ``_BATCH_CELLS`` entries."""
+        H = self.H
+        a = 0
+        while a < len(vt):
+            live = idx[~out[idx]]
+            if not len(live):
+                return
+            kk = k_arr[live]
+            b = min(len(vt), a + max(16, self._BATCH_CELLS // len(kk)))
+            t_b, g_b, j_b = vt[a:b], vg[a:b], jw[a:b]
+            ok = ~H.banned_matrix(kk, t_b)
+            cv = H.next_cls_matrix(kk, t_b)
+            nsig = np.zeros_like(cv)
+            ws = np.flatnonzero(j_b >= 0)
+            if len(ws):
+                nsig[ws] = H.la_sets_idx[np.ix_(kk, j_b[ws])].T
+            ok &= self.succ_good_many(g_b, cv, nsig)
+            out[live[ok.any(axis=0)]] = True
+            a = b
 
     def byte_moves(self, s: int, k: int, sig: int, a: int):
         """Yield ``(v, good)`` for each byte-fallback token v allowed in product state (s, a, k, σ) with
