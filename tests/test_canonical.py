@@ -2,7 +2,8 @@
 
 Issue 2's proof:
 * >= 100,000 random token pairs per tokenizer: the filter's verdict == ``encode(decode(u)+decode(v)) == [u, v]``;
-* pairs whose join splits a UTF-8 character: checked on real texts that contain them;
+* pairs whose join splits a UTF-8 character: checked on real texts that contain them, and every pair whose
+  join completes the character (plus sampled triples) against the tokenizer;
 * >= 1 MB of real multilingual text shipped in an installed package (pycountry's translations of ISO
   names into ~600 locales) plus real source code: every line's canonical tokenization is accepted;
 * >= 10,000 random walks through the filter: decoded text re-encodes to the same ids (target 100 %).

@@ -838,32 +838,31 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         return by_char
 
     # exact[i]: for a representative i ending inside a character, (i with the completed character for
-    # its stand-in, context, [j, ...]) per character its continuations complete it to
-    exact: dict[int, list[tuple[tuple, tuple, list[int]]]] = {}
+    # its stand-in, [j, ...]) per character its continuations complete it to
+    exact: dict[int, list[tuple[tuple, list[int]]]] = {}
     for i, r in enumerate(rep_list):
         if r[4]:
             got = completions(r[4])
             if got:
-                exact[i] = [((r[0][:-1] + c, r[1], r[2]), None, js) for c, js in got.items()]
+                exact[i] = [((r[0][:-1] + c, r[1], r[2]), js) for c, js in got.items()]
 
     def exact_cells(cells: list, row: np.ndarray, row_la: np.ndarray, pre: tuple = NO_CTX) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of a representative's verdict rows (``uint8[R]``, ``uint8[n_ws_rep, L+1]``) with the
-        cells of the continuations j that complete the split character judged exactly: ``cells`` lists
-        (representative as judged, context or None for ``pre``, [j, ...])."""
+        """Copies of a representative's verdict rows (``uint8[R]``, ``uint8[n_ws_rep, L+1]``) in context
+        ``pre`` with the cells of the continuations j that complete the split character judged exactly:
+        ``cells`` = ``exact[i]``, (representative with the completed character, [j, ...])."""
         row, row_la = row.copy(), row_la.copy()
-        for a, ctx, js in cells:
-            ctx = pre if ctx is None else ctx
+        for a, js in cells:
             got: dict[int, int] = {}
             for j in js:
                 jb = int(base_of[j])
                 v = got.get(jb)
                 if v is None:
-                    v = got[jb] = category(a, base_list[jb], pre=ctx)
+                    v = got[jb] = category(a, base_list[jb], pre=pre)
                 row[j] = v
                 jj = ws_rep_pos.get(j)
                 if jj is not None:
                     for cc, ch in enumerate(la_chars):
-                        row_la[jj, cc] = category(a, base_list[jb], ch, pre=ctx)
+                        row_la[jj, cc] = category(a, base_list[jb], ch, pre=pre)
                     row_la[jj, L] = v
         return row, row_la
 
