@@ -245,7 +245,7 @@ def test_triples_through_a_split_character_match_oracle(canon):
     if info.kind == "sentencepiece_bpe":
         assert not pairs  # see test_pairs_splitting_a_character_match_oracle
         return
-    lone = [p for p in pairs if len(info.token_bytes[p[0]]) >= 1 and info.token_bytes[p[0]][-1] >= 0xC0]
+    lone = [p for p in pairs if info.token_bytes[p[0]][-1] >= 0xC0]
     rest = [p for p in pairs if info.token_bytes[p[0]][-1] < 0xC0]
     chosen = lone + rng.sample(rest, min(len(rest), 6000))
     ws = rng.sample(info.normal_ids, 12) + [ids[-1] for ids in map(info.encode, ["\\", ".", " ", "a", "A", "1", "\n"]) if ids]

@@ -890,6 +890,7 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
     states: list[tuple[str, int, bytes]] = [NO_CTX]
     state_of_future: dict[tuple, int] = {(0, future("")): 0}
     state_of_text: dict[tuple, int] = {("", 0): 0}
+    lead_states: dict[tuple[str, bytes], int] = {}
 
     def state_of(y: str, pend: int) -> int:
         g = state_of_text.get((y, pend))
@@ -906,10 +907,9 @@ def build_canonical_filter(info: TokenizerInfo, progress: bool = True) -> Canoni
         """The lead state of chunk prefix ``y`` (up to its state) followed by the incomplete
         character ``part`` (1-3 bytes)."""
         y0 = states[state_of(y, 0)][0]
-        key = ("lead", y0, part)
-        g = state_of_future.get(key)
+        g = lead_states.get((y0, part))
         if g is None:
-            g = state_of_future[key] = len(states)
+            g = lead_states[(y0, part)] = len(states)
             states.append((y0, _utf8_length(part[0]) - len(part), part))
         return g
 

@@ -221,6 +221,16 @@ class CanonHelper:
         """``bool[C]``: classes that ban token ``w`` (one contiguous row of the word-major copy, ~10 µs)."""
         return ((self.bt[w >> 5] >> (w & 31)) & 1).astype(bool)
 
+    def allows_some(self, row: np.ndarray, k_arr: np.ndarray) -> np.ndarray:
+        """``bool[len(k_arr)]``: whether class ``k_arr[i]`` (not START) bans not every token of the bit
+        row ``row`` (``int32[W]``). Gathers only ``row``'s nonzero words, 512 classes at a time."""
+        words = np.flatnonzero(row)
+        out = np.zeros(len(k_arr), dtype=bool)
+        for a0 in range(0, len(k_arr), 512):
+            part = np.asarray(k_arr[a0 : a0 + 512], dtype=np.int64)
+            out[a0 : a0 + 512] = ((~self.bt[np.ix_(words, part)].T) & row[words]).any(axis=1)
+        return out
+
     def not_banned_row(self, k: int) -> np.ndarray:
         """``int32[W]``: tokens allowed after class ``k`` (``start_row`` for START)."""
         if k == self.START:
@@ -470,12 +480,7 @@ class _Analysis:
                 regular_like[c] = same[:, u]
                 w = vt[regular_like & good_t]
                 if len(w):
-                    row = _pack_ids(w, H.W)
-                    words = np.flatnonzero(row)
-                    for a0 in range(0, len(in_g), 512):
-                        part = in_g[a0 : a0 + 512]
-                        ok = ((~H.bt[np.ix_(words, k_arr[part])].T) & row[words]).any(axis=1)
-                        out[part[ok]] = True
+                    out[in_g[H.allows_some(_pack_ids(w, H.W), k_arr[in_g])]] = True
                 rest = ~regular_like
                 self._pairs_clear(k_arr, in_g, sig, vt[rest], vg[rest], jw[rest], out)
         for v, t in zip(toks[inner].tolist(), tgts[inner].tolist()):
@@ -597,11 +602,7 @@ class _Analysis:
         r = self._grows.get(g)
         if r is None:
             tk = self.g_toks[self.g_ptr[g] : self.g_ptr[g + 1]]
-            tk = tk[self.regular[tk]]
-            r = np.zeros(self.H.W, dtype=np.int64)
-            np.bitwise_or.at(r, tk >> 5, np.left_shift(1, tk & 31))
-            r = r.astype(np.uint32).view(np.int32)
-            self._grows[g] = r
+            r = self._grows[g] = _pack_ids(tk[self.regular[tk]], self.H.W)
         return r
 
     def regular_row_packed(self, s: int) -> np.ndarray:
@@ -615,9 +616,7 @@ class _Analysis:
             row = np.zeros(self.H.W, dtype=np.int32)
             if toks is not None:
                 if len(toks):
-                    r = np.zeros(self.H.W, dtype=np.int64)
-                    np.bitwise_or.at(r, toks >> 5, np.left_shift(1, toks & 31))
-                    row = r.astype(np.uint32).view(np.int32)
+                    row = _pack_ids(toks, self.H.W)
             elif len(gs):
                 tags = self.tag[ts]
                 for g, tg in zip(gs.tolist(), tags.tolist()):
@@ -732,10 +731,7 @@ class _Analysis:
                                 break
                     if cand.any() and n_bits > 16:
                         idx = np.flatnonzero(cand)
-                        for a0 in range(0, len(idx), 512):
-                            part = idx[a0 : a0 + 512]
-                            ok = ((~H.bt[np.ix_(words, part)].T) & Y[words]).any(axis=1)
-                            cand[part[ok]] = False
+                        cand[idx[H.allows_some(Y, idx)]] = False
                 idx = np.flatnonzero(cand)
                 if len(idx):
                     if specials is None:
@@ -913,10 +909,7 @@ class FactoredCanonical:
             if len(toks):
                 sel = self._specials_ok(k, sig, toks, tgts, badmask)
                 if sel.any():
-                    v = toks[sel]
-                    r = row.view(np.uint32).astype(np.int64)
-                    np.bitwise_or.at(r, v >> 5, np.left_shift(1, v & 31))
-                    row = r.astype(np.uint32).view(np.int32)
+                    row = row | _pack_ids(toks[sel], H.W)
             if bool(self.M.accepting[s]) and H.sigma_end[sig] and len(self.eos_ids):
                 row |= self._eos_row
             return row
