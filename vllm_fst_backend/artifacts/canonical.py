@@ -95,13 +95,15 @@ sample of triples through split characters against the tokenizer (zero disagreem
 Remaining limits, documented not handled: (1) a character split over three or more tokens whose
 bytes after the second token still leave mixed classes is judged from there on by the stand-in of
 those bytes, and the boundary *before* a character that only a later token completes is judged with
-the stand-in of the bytes the left token holds. Measured on sampled four-token sequences u v w x
-through such characters (v leaves the character open, w completes it): SmolLM2 1 of 357,888 disagree
-with the tokenizer (`` E2`` ``81`` ``9F``, U+205F, whitespace, before a letter), Tekken 13,608 of
-1,728,372 (``E2`` ``9D`` ``B8..``: U+2778, a digit among dingbat symbols). Following each such
-character byte by byte (lead states chained through the longer prefixes) left 1 and 467 (all of
-kind 1b) but gave Tekken ~1,000 context states, 3,500 more classes (480 MB of arrays) and 3x slower
-free-text compiles, so it is not done. (1b) Character classes come
+the stand-in of the bytes the left token holds. Measured by ``scripts/bench_split_chars.py``
+(docs/benchmarks.md, "Split characters") on sampled four-token sequences u v w x through such
+characters (v leaves the character open, w completes it): SmolLM2 4 of 357,888 disagree with the
+tokenizer (e.g. `` E2`` ``81`` ``9F``, U+205F, whitespace, before a letter), Tekken 9,295 of 1,092,303
+(e.g. ``E2`` ``9D`` ``B8..``: U+2778, a digit among dingbat symbols). An experiment not kept (ad hoc, on
+this session's branch before the compiler's batched check of regular-like tokens) followed each such
+character byte by byte, lead states chained through the longer prefixes: nearly all of these went,
+the rest of kind 1b, but Tekken's filter grew to ~1,000 context states and ~480 MB of arrays and its
+free-text compile became ~3x slower, so it is not done. (1b) Character classes come
 from Python's Unicode tables (``unicodedata``, Unicode 14 on Python 3.11), the pre-tokenizer's from
 its regex engine: code points assigned after Unicode 14 (CJK extension H, U+31350..) are unassigned
 to the first and letters to the second, so split across tokens they are judged as symbols. (2) The
