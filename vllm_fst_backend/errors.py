@@ -58,3 +58,44 @@ class EmptyLanguageError(RegexError):
 
 class InvalidOptionError(FstBackendError):
     """A per-request option (``fst_canonical``, ``fst_scripts``, ...) has an unknown name or a bad value."""
+
+
+class CompileMemoryError(CompileBudgetError):
+    """Compiling the constraint would exceed its memory budget (bytes of automaton arrays; see
+    ``CompileBudgets.max_bytes`` / ``VLLM_FST_COMPILE_MEMORY_MB``). The message names the budget."""
+
+
+# --- request inputs (checked before any conversion or compile) ----------------------------------
+
+
+class InputTooLargeError(FstBackendError):
+    """A request input exceeds a size limit checked in linear time before any work is done (regex
+    length, schema text length or nesting depth, number of choices, ...).
+
+    Attributes: ``limit_name`` (e.g. ``"max_regex_chars"``), ``env_var`` (the environment variable that
+    sets it), ``limit`` and ``measured`` (same unit, named in the message).
+    """
+
+    def __init__(self, message: str, *, limit_name: str = "", env_var: str = "", limit: int | float = 0,
+                 measured: int | float = 0):
+        super().__init__(message)
+        self.limit_name = limit_name
+        self.env_var = env_var
+        self.limit = limit
+        self.measured = measured
+
+
+class UnsupportedSchemaError(FstBackendError):
+    """A JSON schema uses a keyword (or a combination) that fst cannot enforce *exactly* as a regular
+    language. Never silently weakened: the message names the keyword and its JSON pointer.
+
+    Attributes: ``keyword`` (e.g. ``"oneOf"``), ``pointer`` (e.g. ``"/properties/a"``), ``regular``
+    (False when the schema is not a regular language at all, e.g. unbounded recursion: a fallback
+    backend may serve it).
+    """
+
+    def __init__(self, message: str, *, keyword: str = "", pointer: str = "", regular: bool = True):
+        super().__init__(message)
+        self.keyword = keyword
+        self.pointer = pointer
+        self.regular = regular
