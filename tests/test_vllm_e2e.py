@@ -71,7 +71,7 @@ def _stack_problems() -> list[str]:
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "fst"]
     if not eps:
         problems.append("the 'fst' vLLM plugin entry point is not installed; run: pip install -e .[cpu,model,test]")
-    elif eps[0].value != "vllm_fst_backend.vllm_plugin:register":
+    elif eps[0].value != "vllm_fst_backend.vllm:register":
         problems.append(f"the 'fst' entry point points elsewhere: {eps[0].value}")
     for f in ("model.safetensors", "tokenizer.json", "config.json"):
         if not (MODEL / f).is_file():

@@ -1,0 +1,231 @@
+"""The vLLM contract: ``FstBackend`` (``StructuredOutputBackend``) and ``FstGrammar``
+(``StructuredOutputGrammar``, over a ``runtime.matcher.FstMatcher``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+from vllm_fst_backend.errors import ArtifactError
+
+from . import VLLM_VERSION_OK
+from . import context as _context
+from .constraints import constraint_to_regex
+from .metrics import logger, metric_inc
+from .options import FstRequestOptions, parse_request_options
+
+if VLLM_VERSION_OK:
+    from vllm.v1.structured_output.backend_types import StructuredOutputBackend as _BackendBase
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar as _GrammarBase
+else:  # pragma: no cover - wrong/missing vLLM: classes still defined, register() refuses
+    _BackendBase = object
+    _GrammarBase = object
+
+
+def _set_bit(bitmask: Any, row: int, token: int) -> None:
+    w, b = divmod(int(token), 32)
+    if w >= bitmask.shape[1]:
+        return
+    v = (int(bitmask[row, w]) & 0xFFFFFFFF) | (1 << b)
+    bitmask[row, w] = v - (1 << 32) if v >= (1 << 31) else v
+
+
+def _test_bit(bitmask: Any, row: int, token: int) -> bool:
+    w, b = divmod(int(token), 32)
+    if w >= bitmask.shape[1]:
+        return False
+    return bool((int(bitmask[row, w]) >> b) & 1)
+
+
+class FstGrammar(_GrammarBase):
+    """vLLM ``StructuredOutputGrammar`` adapter over an ``FstMatcher``.
+
+    * Stop tokens that are not the tokenizer's EOS (``stop_token_ids`` from vLLM: generation-config
+      EOS ids, user ``stop_token_ids``) are treated as EOS: allowed exactly where EOS is allowed
+      (accepting states) and mapped to EOS for the matcher.
+    * Bitmask words beyond the tokenizer's vocabulary (vLLM allocates the model's padded vocabulary)
+      are cleared, so padding ids are never allowed.
+    * Counts accepted and forced tokens (rollback-aware) and logs them once when the grammar terminates.
+    """
+
+    def __init__(
+        self,
+        matcher: Any,
+        *,
+        request_id: str | None = None,
+        eos_ids: Iterable[int] = (),
+        stop_token_ids: Iterable[int] | None = None,
+        token_words: int | None = None,
+        compile_ms: float = 0.0,
+        kind: str = "",
+        options: FstRequestOptions | None = None,
+    ):
+        self.matcher = matcher
+        self.request_id = request_id
+        self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.extra_stop_ids = tuple(sorted({int(t) for t in (stop_token_ids or ())} - set(self.eos_ids)))
+        self._stop_map = {t: self.eos_ids[0] for t in self.extra_stop_ids} if self.eos_ids else {}
+        self.token_words = token_words
+        self.compile_ms = compile_ms
+        self.kind = kind
+        self.options = options or FstRequestOptions()
+        self._forced_flags: list[bool] = []
+        self._logged = False
+
+    # -- helpers
+    def _map(self, tokens: list[int]) -> list[int]:
+        if not self._stop_map:
+            return list(tokens)
+        return [self._stop_map.get(t, t) for t in tokens]
+
+    @property
+    def num_forced(self) -> int:
+        return sum(self._forced_flags)
+
+    # -- StructuredOutputGrammar
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        for t in self._map(tokens):
+            if self.matcher.is_terminated():
+                return True  # tokens after EOS are ignored (like vLLM's other backends)
+            try:
+                forced = self.matcher.forced_tokens(1)
+            except Exception:
+                forced = []
+            if not self.matcher.accept_tokens(request_id, [t]):
+                return False
+            self._forced_flags.append(bool(forced) and forced[0] == t)
+        if not self._logged and self.matcher.is_terminated():
+            self._log_done()
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        mapped = self._map(tokens)
+        ok = self.matcher.validate_tokens(mapped)
+        return list(tokens[: len(ok)])
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        self.matcher.rollback(num_tokens)
+        del self._forced_flags[max(0, len(self._forced_flags) - num_tokens) :]
+
+    def fill_bitmask(self, bitmask: Any, batch_index: int) -> None:
+        self.matcher.fill_bitmask(bitmask, batch_index)
+        if self.token_words is not None and bitmask.shape[1] > self.token_words:
+            bitmask[batch_index, self.token_words :] = 0
+        if self.extra_stop_ids and self.eos_ids and _test_bit(bitmask, batch_index, self.eos_ids[0]):
+            for t in self.extra_stop_ids:
+                _set_bit(bitmask, batch_index, t)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def reset(self):
+        self.matcher.reset()
+        self._forced_flags.clear()
+        self._logged = False
+
+    # -- logging
+    def _log_done(self) -> None:
+        self._logged = True
+        n, f = len(self._forced_flags), self.num_forced
+        metric_inc("tokens", n)
+        metric_inc("forced_tokens", f)
+        logger.info(
+            "fst: request %s done: %d constrained tokens, %d forced (%.0f%%); compile %.1f ms",
+            self.request_id,
+            n,
+            f,
+            100.0 * f / n if n else 0.0,
+            self.compile_ms,
+        )
+
+
+@dataclasses.dataclass
+class FstBackend(_BackendBase):
+    """vLLM ``StructuredOutputBackend`` for ``--structured-outputs-config.backend fst``."""
+
+    vllm_config: Any
+    tokenizer: Any
+    vocab_size: int
+
+    def __post_init__(self):
+        model_config = getattr(self.vllm_config, "model_config", None)
+        self.context = _context.get_tokenizer_context(model_config)
+        V = self.context.vocab_size
+        self.token_words = (V + 31) // 32 if V else None
+        if V and V > self.vocab_size:
+            raise ArtifactError(
+                f"fst: tokenizer artifacts have {V} tokens but the model's vocabulary is {self.vocab_size}"
+            )
+        logger.info(
+            "fst: backend ready (tokenizer %s, %d tokens, model vocab %d)",
+            self.context.tokenizer_path,
+            V,
+            self.vocab_size,
+        )
+        self.context.prepare_in_background()
+
+    # ABC entry point (default options; vLLM's manager is routed to compile_request instead)
+    def compile_grammar(self, request_type: Any, grammar_spec: str, stop_token_ids: set[int] | None = None):
+        return self.compile_request(request_type, grammar_spec, stop_token_ids=stop_token_ids)
+
+    def compile_request(
+        self,
+        request_type: Any,
+        grammar_spec: Any,
+        *,
+        options: FstRequestOptions | None = None,
+        whitespace_pattern: str | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        request_id: str | None = None,
+    ) -> FstGrammar:
+        options = options or FstRequestOptions()
+        kind = getattr(request_type, "name", str(request_type))
+        regex = constraint_to_regex(request_type, grammar_spec, whitespace_pattern)
+        res = self.context.compile(regex, options, _context.compile_budget_s("engine"))
+        metric_inc("requests")
+        if res.cache_hit:
+            metric_inc("cache_hits")
+        logger.info(
+            "fst: request %s: %s constraint (%d regex chars, %s states, %s) compiled in %.1f ms%s",
+            request_id,
+            kind.lower(),
+            len(regex),
+            getattr(res.compiled, "num_states", "?"),
+            options.text(),
+            res.ms,
+            " (cache hit)" if res.cache_hit else "",
+        )
+        return FstGrammar(
+            _context.matcher_factory(res.compiled),
+            request_id=request_id,
+            eos_ids=self.context.eos_ids,
+            stop_token_ids=stop_token_ids,
+            token_words=self.token_words,
+            compile_ms=res.ms,
+            kind=kind,
+            options=options,
+        )
+
+    def compile_vllm_request(self, request: Any) -> FstGrammar:
+        """Compile for a ``vllm.v1.request.Request`` (options from ``sampling_params.extra_args``)."""
+        sp = request.sampling_params
+        so_req = request.structured_output_request
+        request_type, spec = so_req.structured_output_key
+        return self.compile_request(
+            request_type,
+            spec,
+            options=parse_request_options(getattr(sp, "extra_args", None)),
+            whitespace_pattern=getattr(so_req.params, "whitespace_pattern", None),
+            stop_token_ids=getattr(sp, "all_stop_token_ids", None),
+            request_id=request.request_id,
+        )
+
+    def allocate_token_bitmask(self, max_num_seqs: int):
+        import torch
+
+        return torch.full((max_num_seqs, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    def destroy(self):
+        pass

@@ -1,0 +1,372 @@
+"""Per-tokenizer context of a process: the tokenizer artifacts (located, loaded, built when missing),
+the compile cache and the compile budgets."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable
+
+from vllm_fst_backend.errors import ArtifactError, InvalidOptionError
+
+from .metrics import logger, metric_inc
+from .options import FstRequestOptions, env_flag
+
+BUILD_COMMAND = "python scripts/build_tokenizer_artifacts.py --tokenizer {tokenizer} --out {out}"
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+# ---- artifacts ---------------------------------------------------------------------------------
+
+_NAME_SANITIZE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def tokenizer_name(tokenizer: str | os.PathLike) -> str:
+    """Directory name for a tokenizer. A local file/directory: the artifact builder's own
+    ``artifacts.build.default_name`` (model directory name; file name without ``.json``/``.model``,
+    dots -> ``_``), so ``scripts/build_tokenizer_artifacts.py`` without ``--out`` and the plugin agree.
+    A hub id ``org/name`` (not on disk): ``org--name``."""
+    s = str(tokenizer)
+    if Path(s).exists():
+        from vllm_fst_backend.artifacts.build import default_name
+
+        return default_name(s)
+    return _NAME_SANITIZE.sub("_", s.strip("/").replace("/", "--")).strip("._") or "tokenizer"
+
+
+def default_artifacts_root() -> Path:
+    repo_dir = REPO_ROOT / "tokenizer_artifacts"
+    if repo_dir.is_dir() and os.access(repo_dir, os.W_OK):
+        return repo_dir
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm_fst_backend" / "tokenizer_artifacts"
+
+
+def resolve_artifacts_dir(tokenizer: str | os.PathLike) -> Path:
+    """``$VLLM_FST_ARTIFACTS_DIR`` (itself if it holds ``manifest.json`` or does not exist / is empty,
+    else ``$VLLM_FST_ARTIFACTS_DIR/<name>``), or ``<repo>/tokenizer_artifacts/<name>`` (falling back to
+    ``~/.cache/vllm_fst_backend/tokenizer_artifacts/<name>`` when the repo folder is not writable)."""
+    name = tokenizer_name(tokenizer)
+    env = os.environ.get("VLLM_FST_ARTIFACTS_DIR")
+    if env:
+        d = Path(env).expanduser()
+        if (d / "manifest.json").is_file() or not d.is_dir():
+            return d
+        if (d / name).is_dir() or any(c.is_dir() for c in d.iterdir()):
+            return d / name
+        return d
+    return default_artifacts_root() / name
+
+
+def build_command(tokenizer: str | os.PathLike, out: str | os.PathLike) -> str:
+    return BUILD_COMMAND.format(tokenizer=tokenizer, out=out)
+
+
+def _run_build(tokenizer: str, out: Path) -> None:
+    """Build the artifacts in a subprocess, streaming its output to the log (progress)."""
+    candidates = []
+    script = REPO_ROOT / "scripts" / "build_tokenizer_artifacts.py"
+    if script.is_file():
+        candidates.append([sys.executable, str(script)])
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm_fst_backend.artifacts.build") is not None:
+            candidates.append([sys.executable, "-m", "vllm_fst_backend.artifacts.build"])
+    except Exception:
+        pass
+    if not candidates:
+        raise ArtifactError(
+            f"fst: tokenizer artifacts missing in {out} and no artifact builder is installed; run: "
+            f"{build_command(tokenizer, out)}"
+        )
+    cmd = candidates[0] + ["--tokenizer", str(tokenizer), "--out", str(out)]
+    logger.info("fst: building tokenizer artifacts (once per tokenizer): %s", " ".join(cmd))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout is not None
+    tail: list[str] = []
+    last_bar = 0.0
+    for line in proc.stdout:  # text mode: tqdm's "\r" updates arrive as separate lines
+        line = line.strip()
+        if not line:
+            continue
+        tail = (tail + [line])[-20:]
+        is_bar = "%|" in line or "it/s]" in line or "s/it]" in line
+        if is_bar and time.monotonic() - last_bar < 5.0 and "100%" not in line:
+            continue  # throttle progress bars to one line per 5 s (plus completions)
+        if is_bar:
+            last_bar = time.monotonic()
+        logger.info("fst artifacts build: %s", line)
+    rc = proc.wait()
+    if rc != 0:
+        raise ArtifactError(
+            f"fst: building tokenizer artifacts failed (exit {rc}); last output: {' | '.join(tail[-5:])}; "
+            f"command: {build_command(tokenizer, out)}"
+        )
+    logger.info("fst: tokenizer artifacts built in %.1f s -> %s", time.monotonic() - t0, out)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Inter-process lock (the API server and the engine core may both want to build)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    import fcntl
+
+    with open(path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def load_or_build_artifacts(tokenizer: str, directory: Path | None = None, auto_build: bool | None = None):
+    """Load the artifacts of ``tokenizer`` (a local file or directory), building them first when
+    missing and ``auto_build`` (default ``$VLLM_FST_AUTO_BUILD``, on). Corrupt or mismatched artifacts
+    are never overwritten: ``store.load_artifacts`` raises ``ArtifactError`` with the rebuild command.
+
+    Raises:
+        ArtifactError: missing with auto-build off (message: the exact build command), build failed, ...
+    """
+    directory = Path(directory) if directory is not None else resolve_artifacts_dir(tokenizer)
+    if auto_build is None:
+        auto_build = env_flag("VLLM_FST_AUTO_BUILD", True)
+    if not (directory / "manifest.json").is_file():
+        if not auto_build:
+            raise ArtifactError(
+                f"fst: no tokenizer artifacts in {directory} for tokenizer {tokenizer} "
+                f"(VLLM_FST_AUTO_BUILD=0). Build them with: {build_command(tokenizer, directory)}"
+            )
+        with _file_lock(directory.parent / f".{directory.name}.lock"):
+            if not (directory / "manifest.json").is_file():  # another process may have built it
+                _run_build(tokenizer, directory)
+    from vllm_fst_backend.artifacts import store
+
+    t0 = time.monotonic()
+    art = store.load_artifacts(directory, tokenizer_path=tokenizer)
+    logger.info("fst: loaded tokenizer artifacts %s in %.0f ms", directory, (time.monotonic() - t0) * 1e3)
+    return art
+
+
+def local_tokenizer_path(model_config: Any) -> str:
+    """A local path for the served tokenizer (``model_config.tokenizer``; a hub id is resolved in
+    the local Hugging Face cache, never downloaded)."""
+    tok = str(getattr(model_config, "tokenizer", None) or getattr(model_config, "model", ""))
+    if Path(tok).exists():
+        return str(Path(tok).resolve())
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            tok,
+            revision=getattr(model_config, "tokenizer_revision", None),
+            local_files_only=True,
+            allow_patterns=["tokenizer.json", "tokenizer_config.json", "tekken.json", "tokenizer.model*"],
+        )
+    except Exception as e:
+        raise ArtifactError(
+            f"fst: cannot find the tokenizer {tok!r} on local disk ({e}); pass --tokenizer DIR or build "
+            f"the artifacts with: {build_command('PATH', resolve_artifacts_dir(tok))}"
+        ) from None
+
+
+
+# ---- compile budgets, hooks, cache ------------------------------------------------------------
+
+# The engine core compiles a request the API server already compiled in its own process (validation):
+# it gets this many times the budget, so that a host busier at that moment does not turn an accepted
+# request into an engine-side failure (vLLM answers those with HTTP 500, not 400).
+ENGINE_BUDGET_FACTOR = 4.0
+
+
+def compile_budget_s(stage: str) -> float:
+    """Compile time budget in seconds for ``stage`` = ``"validate"`` (API server: over budget is an HTTP
+    400) or ``"engine"`` (engine core: ``ENGINE_BUDGET_FACTOR`` times the budget when requests are
+    validated by compiling, ``$VLLM_FST_VALIDATE_COMPILE``, else the budget itself, which then is the
+    only guard). The budget is ``$VLLM_FST_COMPILE_BUDGET_S`` (default 4).
+
+    Raises:
+        InvalidOptionError: the variable is not a positive number.
+    """
+    raw = os.environ.get("VLLM_FST_COMPILE_BUDGET_S", "").strip()
+    try:
+        budget = float(raw) if raw else 4.0
+    except ValueError:
+        budget = -1.0
+    if not budget > 0:
+        raise InvalidOptionError(f"VLLM_FST_COMPILE_BUDGET_S must be a positive number of seconds, got {raw!r}")
+    if stage == "engine" and env_flag("VLLM_FST_VALIDATE_COMPILE", True):
+        return budget * ENGINE_BUDGET_FACTOR
+    return budget
+
+
+def _default_compile(regex: str, artifacts: Any, options: FstRequestOptions, budget_s: float):
+    from vllm_fst_backend.compiler import CompileBudgets, compile_regex
+
+    return compile_regex(regex, artifacts, options.compile_options(), budgets=CompileBudgets(time_budget_s=budget_s))
+
+
+def _default_prepare(artifacts: Any) -> None:
+    from vllm_fst_backend.compiler import prepare
+
+    prepare(artifacts, canonical=getattr(artifacts, "canonical", None) is not None)
+
+
+def _default_matcher(compiled: Any):
+    from vllm_fst_backend.runtime.matcher import FstMatcher
+
+    return FstMatcher(compiled)
+
+
+# Hooks (tests replace them; production leaves them alone).
+compile_function: Callable[[str, Any, FstRequestOptions, float], Any] = _default_compile
+matcher_factory: Callable[[Any], Any] = _default_matcher
+prepare_function: Callable[[Any], None] = _default_prepare
+
+
+@dataclasses.dataclass
+class CompileResult:
+    compiled: Any
+    ms: float
+    cache_hit: bool
+
+
+class TokenizerContext:
+    """Artifacts of one tokenizer plus an LRU cache of compiled automata (thread-safe; concurrent
+    requests for the same key compile once; failures are not cached). Bounded by
+    ``$VLLM_FST_CACHE_BYTES`` (default 512 MiB, by ``CompiledAutomaton.nbytes``) and
+    ``$VLLM_FST_CACHE_SIZE`` entries (default 256). One per tokenizer per process."""
+
+    def __init__(self, artifacts: Any, tokenizer_path: str = "", cache_size: int | None = None,
+                 cache_bytes: int | None = None):
+        self.artifacts = artifacts
+        self.tokenizer_path = tokenizer_path
+        self.cache_size = cache_size if cache_size is not None else int(os.environ.get("VLLM_FST_CACHE_SIZE", "256"))
+        self.cache_bytes = (
+            cache_bytes if cache_bytes is not None else int(os.environ.get("VLLM_FST_CACHE_BYTES", str(512 << 20)))
+        )
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}
+        self.nbytes = 0
+        self._lock = threading.Lock()
+        self.eos_ids: tuple[int, ...] = tuple(int(x) for x in _artifact_attr(artifacts, "eos_ids", ()))
+        self.vocab_size = int(_artifact_attr(artifacts, "vocab_size", 0) or 0)
+
+    def _evict(self) -> None:  # under self._lock
+        while self._cache and (len(self._cache) > max(1, self.cache_size) or self.nbytes > self.cache_bytes):
+            key, fut = next(iter(self._cache.items()))
+            if not fut.done():  # never evict an in-flight compile
+                break
+            self._cache.popitem(last=False)
+            self.nbytes -= self._sizes.pop(key, 0)
+
+    def prepare_in_background(self) -> threading.Thread:
+        """Build the compiler's per-tokenizer structures (``compiler.prepare``: token trie, canonical
+        helper; ~2 s for SmolLM2, ~14 s for Tekken on 2 cores, docs/benchmarks.md "Canonical compile per
+        tokenizer") in a daemon thread, so that the first request does not wait for them. A failure is
+        only logged: the first compile then builds them (and reports any error to its request)."""
+
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                prepare_function(self.artifacts)
+            except Exception as e:
+                logger.warning("fst: background preparation of the compiler failed: %s", e)
+                return
+            logger.info("fst: compiler prepared for %s in %.1f s", self.tokenizer_path, time.monotonic() - t0)
+
+        th = threading.Thread(target=run, name="fst-prepare", daemon=True)
+        th.start()
+        return th
+
+    def peek(self, regex: str, options: FstRequestOptions) -> Any:
+        """The compiled automaton if it is already in the cache (finished), else None; never compiles."""
+        key = (regex, options.cache_key)
+        with self._lock:
+            fut = self._cache.get(key)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        return fut.result()
+
+    def compile(self, regex: str, options: FstRequestOptions, budget_s: float | None = None) -> CompileResult:
+        """Compile (or take from the cache) ``regex`` under ``options`` within ``budget_s`` seconds
+        (default: :func:`compile_budget_s` ``("validate")``). Raises the compiler's errors (not cached)."""
+        key = (regex, options.cache_key)
+        with self._lock:
+            fut = self._cache.get(key)
+            owner = fut is None
+            if owner:
+                fut = Future()
+                self._cache[key] = fut
+            else:
+                self._cache.move_to_end(key)
+        if not owner:
+            t0 = time.monotonic()
+            compiled = fut.result()  # re-raises the compile error of the owner
+            return CompileResult(compiled, (time.monotonic() - t0) * 1e3, True)
+        t0 = time.monotonic()
+        try:
+            compiled = compile_function(regex, self.artifacts, options,
+                                        compile_budget_s("validate") if budget_s is None else budget_s)
+        except BaseException as e:
+            with self._lock:
+                if self._cache.get(key) is fut:
+                    del self._cache[key]  # not cached: a bad regex fails every time (cheaply)
+            fut.set_exception(e)
+            raise
+        fut.set_result(compiled)
+        ms = (time.monotonic() - t0) * 1e3
+        with self._lock:
+            if self._cache.get(key) is fut:
+                size = int(getattr(compiled, "nbytes", 0) or 0)
+                self._sizes[key] = size
+                self.nbytes += size
+                self._evict()
+        metric_inc("compile_seconds", ms / 1e3)
+        return CompileResult(compiled, ms, False)
+
+
+def _artifact_attr(artifacts: Any, name: str, default: Any) -> Any:
+    v = getattr(artifacts, name, None)
+    if v is None and hasattr(artifacts, "manifest"):
+        m = getattr(artifacts, "manifest")
+        if isinstance(m, dict):
+            v = m.get(name)
+    if v is None:
+        return default
+    try:
+        import numpy as np
+
+        if isinstance(v, np.ndarray):
+            return v.tolist()
+    except Exception:
+        pass
+    return v
+
+
+_CONTEXTS: dict[str, TokenizerContext] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def get_tokenizer_context(model_config: Any) -> TokenizerContext:
+    """The process-wide :class:`TokenizerContext` of the served tokenizer (loads/builds artifacts)."""
+    tok = local_tokenizer_path(model_config)
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(tok)
+        if ctx is None:
+            ctx = TokenizerContext(load_or_build_artifacts(tok), tokenizer_path=tok)
+            _CONTEXTS[tok] = ctx
+        return ctx
+
+
+# Facts about the served configuration learnt in this process (``InputProcessor.__init__`` wrap in
+# the API server): ``backend``, ``speculative_model``.
+SERVED: dict[str, Any] = {}

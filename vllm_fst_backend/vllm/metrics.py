@@ -1,0 +1,50 @@
+"""Logging and Prometheus counters of the fst backend (``vllm_fst_*``, created lazily in the process
+that counts; best effort: a metrics failure never fails a request)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+try:
+    from vllm.logger import init_logger
+
+    logger = init_logger("vllm.fst_backend")
+except Exception:  # pragma: no cover - vLLM missing
+    logger = logging.getLogger("vllm.fst_backend")
+
+_METRICS: dict[str, Any] = {}
+_METRICS_LOCK = threading.Lock()
+_METRIC_DEFS = {
+    "validated": ("vllm_fst_validated_requests_total", "Requests validated for the fst backend (API server)"),
+    "requests": ("vllm_fst_requests_total", "Structured-output requests compiled by the fst backend"),
+    "compile_seconds": ("vllm_fst_compile_seconds_total", "Seconds spent compiling constraints (cache misses)"),
+    "cache_hits": ("vllm_fst_compile_cache_hits_total", "Compile-cache hits"),
+    "tokens": ("vllm_fst_constrained_tokens_total", "Tokens accepted by fst grammars"),
+    "forced_tokens": ("vllm_fst_forced_tokens_total", "Accepted tokens that were forced (one allowed token)"),
+    "jump_drafts": ("vllm_fst_jump_draft_tokens_total", "Forced tokens proposed as speculative drafts"),
+}
+
+
+class _NullCounter:
+    def inc(self, amount: float = 1.0) -> None:
+        pass
+
+
+def metric_inc(key: str, amount: float = 1.0) -> None:
+    """Add ``amount`` to the counter ``key`` of :data:`_METRIC_DEFS` (created on first use)."""
+    try:
+        c = _METRICS.get(key)
+        if c is None:
+            with _METRICS_LOCK:
+                c = _METRICS.get(key)
+                if c is None:
+                    from prometheus_client import Counter
+
+                    name, doc = _METRIC_DEFS[key]
+                    c = Counter(name.removesuffix("_total"), doc)
+                    _METRICS[key] = c
+        c.inc(amount)
+    except Exception:  # metrics are best effort
+        _METRICS.setdefault(key, _NullCounter())

