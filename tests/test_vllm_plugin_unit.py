@@ -13,6 +13,7 @@ import time
 import types
 
 import pytest
+from typing import Any
 import torch
 
 pytest.importorskip("vllm")
@@ -127,9 +128,10 @@ class FakeMatcher:
 class FakeArtifacts:
     vocab_size = V
     eos_ids = (EOS,)
+    fingerprint = "fake-tokenizer"
 
 
-COMPILE_CALLS: list[tuple[str, options.FstRequestOptions]] = []
+COMPILE_CALLS: list[tuple[str, Any]] = []  # (regex, compiler.CompileOptions)
 COMPILE_BUDGETS: list[float] = []
 PREPARED: list = []
 
@@ -151,6 +153,7 @@ def registered():
 
 @pytest.fixture
 def fake_stages(monkeypatch):
+    monkeypatch.setenv("VLLM_FST_DISK_CACHE", "0")  # fakes are not for the host's disk cache
     ctx = context.TokenizerContext(FakeArtifacts(), tokenizer_path="fake-tokenizer")
     monkeypatch.setattr(context, "compile_function", fake_compile)
     monkeypatch.setattr(context, "matcher_factory", FakeMatcher)
@@ -307,7 +310,7 @@ def _validate(backend, extra_args=None, **so):
 def test_validation_keeps_fst_and_compiles(fake_stages):
     sp = _validate("fst", {"fst_canonical": False}, regex="abc")
     assert sp.structured_outputs._backend == "fst"
-    assert COMPILE_CALLS == [("abc", options.FstRequestOptions(canonical=False))]
+    assert COMPILE_CALLS == [("abc", options.FstRequestOptions(canonical=False).compile_options())]
     _validate("fst", None, regex="abc")  # other options -> other cache key
     _validate("fst", {"fst_canonical": "0"}, regex="abc")  # cache hit
     assert len(COMPILE_CALLS) == 2
@@ -315,8 +318,10 @@ def test_validation_keeps_fst_and_compiles(fake_stages):
     assert _validate("fst", None, choice=["x", "y"]).structured_outputs._backend == "fst"
 
 
-def test_validation_errors_are_400(fake_stages):
+def test_validation_errors_are_400(fake_stages, monkeypatch):
     from vllm.exceptions import VLLMValidationError
+
+    monkeypatch.setenv("VLLM_FST_FALLBACK", "none")  # grammar requests: a 400 instead of the fallback
 
     with pytest.raises(VLLMValidationError, match="unbalanced") as e:
         _validate("fst", None, regex="(ab")
@@ -324,7 +329,7 @@ def test_validation_errors_are_400(fake_stages):
     with pytest.raises(VLLMValidationError, match="fst_bogus") as e:
         _validate("fst", {"fst_bogus": 1}, regex="ab")
     assert e.value.parameter == "vllm_xargs"
-    with pytest.raises(VLLMValidationError, match="grammar is not supported"):
+    with pytest.raises(VLLMValidationError, match="grammar is not expressible by fst.*VLLM_FST_FALLBACK=none"):
         _validate("fst", None, grammar="root ::= 'a'")
     with pytest.raises(VLLMValidationError, match="JSON"):
         _validate("fst", None, json="{not json")
@@ -453,7 +458,7 @@ def test_manager_creates_fst_backend_and_routes_options(fake_stages):
     assert isinstance(mgr.backend, vbackend.FstBackend)
     grammar = req.structured_output_request.grammar
     assert isinstance(grammar, vbackend.FstGrammar)
-    assert COMPILE_CALLS[-1] == ("ab", options.FstRequestOptions(allow_ascii_bytes=True))
+    assert COMPILE_CALLS[-1] == ("ab", options.FstRequestOptions(allow_ascii_bytes=True).compile_options())
     mask = mgr.backend.allocate_token_bitmask(2)
     assert mask.shape == (2, 2) and mask.dtype == torch.int32
 
@@ -483,7 +488,7 @@ def test_compile_grammar_abc_entry_point(fake_stages):
 
     backend = vbackend.FstBackend(_vllm_config(), tokenizer=None, vocab_size=64)
     g = backend.compile_grammar(StructuredOutputOptions.CHOICE, json.dumps(["ab", "cd"]))
-    assert COMPILE_CALLS[-1] == ("(ab|cd)", options.FstRequestOptions())
+    assert COMPILE_CALLS[-1] == ("(ab|cd)", options.FstRequestOptions().compile_options())
     with pytest.raises(constraints.InvalidConstraintError):
         backend.compile_grammar(StructuredOutputOptions.GRAMMAR, "root ::= 'a'")
     assert isinstance(g, vbackend.FstGrammar)
@@ -676,6 +681,8 @@ def test_metrics_counters_do_not_break():
 
 
 def test_cache_is_bounded_in_bytes(monkeypatch):
+    monkeypatch.setenv("VLLM_FST_DISK_CACHE", "0")
+
     class Blob:
         nbytes = 100
 

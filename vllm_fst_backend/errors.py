@@ -60,9 +60,19 @@ class InvalidOptionError(FstBackendError):
     """A per-request option (``fst_canonical``, ``fst_scripts``, ...) has an unknown name or a bad value."""
 
 
+class InvalidConstraintError(FstBackendError):
+    """The request's constraint is malformed (not a string regex, an empty choice list, a schema that
+    is not JSON) or of a kind the fst backend does not express (``grammar``, ``structural_tag``)."""
+
+
 class CompileMemoryError(CompileBudgetError):
     """Compiling the constraint would exceed its memory budget (bytes of automaton arrays; see
     ``CompileBudgets.max_bytes`` / ``VLLM_FST_COMPILE_MEMORY_MB``). The message names the budget."""
+
+
+class CompileServiceError(FstBackendError):
+    """The isolated compile process (``compiler/service.py``) is unavailable: it could not start, or
+    it died for a reason other than a budget (a server-side problem, HTTP 500 with the message)."""
 
 
 # --- request inputs (checked before any conversion or compile) ----------------------------------

@@ -31,7 +31,7 @@ from vllm_fst_backend.vllm.context import (  # noqa: F401
 )
 from vllm_fst_backend.vllm.options import FstRequestOptions, parse_request_options  # noqa: F401
 from vllm_fst_backend.vllm.proposer import FstForcedTokenProposer  # noqa: F401
-from vllm_fst_backend.vllm.validation import validate_fst_request  # noqa: F401
+from vllm_fst_backend.vllm.validation import validate_structured_outputs  # noqa: F401
 
 __all__ = [
     "BACKEND_NAME",
@@ -52,5 +52,5 @@ __all__ = [
     "resolve_artifacts_dir",
     "tokenizer_name",
     "unregister",
-    "validate_fst_request",
+    "validate_structured_outputs",
 ]

@@ -56,7 +56,7 @@ class CompiledCache:
 
     def put(self, key, value) -> None:
         """Insert ``value`` (evicting least recently used entries to stay within ``max_bytes``)."""
-        size = int(value.nbytes)  # recorded now: a factored automaton's row memo may grow later
+        size = int(getattr(value, "nbytes", 0) or 0)  # recorded now: a factored automaton's row memo may grow later
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
@@ -75,10 +75,12 @@ class CompiledCache:
             self._data.clear()
             self.nbytes = 0
 
-    def get_or_compile(self, regex: str, artifacts, options: CompileOptions | None = None, **kw):
-        """The automaton of ``(regex, options)`` for ``artifacts``, compiling it on a miss.
+    def get_or_compile(self, regex: str, artifacts, options: CompileOptions | None = None, *, compile_fn=None,
+                       **kw):
+        """The automaton of ``(regex, options)`` for ``artifacts``, compiling it on a miss with
+        ``compile_fn(regex, artifacts, options, **kw)`` (default :func:`compile_regex`).
 
-        Raises: whatever :func:`compile_regex` raises (not cached).
+        Raises: whatever ``compile_fn`` raises (not cached).
         """
         options = options or CompileOptions()
         key = self.key(regex, options, artifacts)
@@ -107,7 +109,7 @@ class CompiledCache:
                     return v
                 continue  # the owner failed or the entry was too large: try ourselves
             try:
-                v = compile_regex(regex, artifacts, options, **kw)
+                v = (compile_fn or compile_regex)(regex, artifacts, options, **kw)
                 self.put(key, v)
                 return v
             finally:

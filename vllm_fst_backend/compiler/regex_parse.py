@@ -27,21 +27,59 @@ Tree nodes (tuples, immutable):
 from __future__ import annotations
 
 import re as _re
+import time
 
 from ..errors import CompileBudgetError, RegexSyntaxError, UnsupportedRegexError
+from .limits import InputLimits, check_regex
 
-__all__ = ["parse_regex", "estimate_positions", "CharSet"]
+__all__ = ["parse_regex", "estimate_positions", "escape_literal", "CharSet", "MAX_GROUP_DEPTH"]
 
 CharSet = tuple  # (frozenset[str], bool)
 
 _EPS = ("eps",)
 
+_INLINE_FLAGS = _re.compile(r"\(\?([a-zA-Z]*)(?:-([a-zA-Z]*))?[:)]")
 
-def _find_unsupported(regex: str) -> tuple[str, int] | None:
+#: Deepest group nesting accepted. interegular's parser recurses about 10 Python frames per level
+#: (measured: 99 levels exhaust the default recursion limit of 1000); real regexes, including those
+#: converted from JSON schemas within ``InputLimits.max_schema_depth``, nest well under 50.
+MAX_GROUP_DEPTH = 50
+
+
+_REGEX_META = frozenset("\\.^$*+?{}[]|()")
+_CONTROL_ESCAPES = {"\n": r"\n", "\t": r"\t", "\r": r"\r"}
+
+
+def escape_literal(text: str) -> str:
+    """Escape ``text`` so that a regex of this dialect matches it literally: a backslash before each
+    regex metacharacter only (``re.escape`` also escapes space, ``-``, ``#``, ``&``, ``~``, which not
+    every regex parser reads back as literals), control characters as ``\\n``-style or ``\\xNN``
+    escapes. Linear in ``len(text)``."""
+    out = []
+    for ch in text:
+        if ch in _REGEX_META:
+            out.append("\\" + ch)
+        elif ch in _CONTROL_ESCAPES:
+            out.append(_CONTROL_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _find_unsupported(regex: str, max_depth: int | None = None) -> tuple[str, int] | None:
     """Scan ``regex`` (escapes and classes respected) for constructs no finite automaton of ours
-    expresses; returns (description, position) of the first one, or None."""
+    expresses; returns (description, position) of the first one, or None. One linear pass (every
+    step advances ``i``; no slice of the rest of the text).
+
+    Raises:
+        CompileBudgetError: groups nested deeper than ``max_depth`` (when given); ``position`` is the
+            offset in ``regex`` of the first parenthesis over the limit.
+    """
     i, n = 0, len(regex)
     in_class = False
+    depth = 0
     while i < n:
         c = regex[i]
         if c == "\\":
@@ -72,6 +110,14 @@ def _find_unsupported(regex: str) -> tuple[str, int] | None:
             if i < n and regex[i] == "]":
                 i += 1  # a leading ']' is a literal in Python
             continue
+        if c == "(":
+            depth += 1
+            if max_depth is not None and depth > max_depth:
+                raise CompileBudgetError(
+                    f"regex nests groups more than {max_depth} deep; flatten the pattern", i
+                )
+        elif c == ")" and depth:
+            depth -= 1
         if c == "(" and regex.startswith("(?", i):
             rest = regex[i + 2 : i + 4]
             if rest.startswith("="):
@@ -86,7 +132,7 @@ def _find_unsupported(regex: str) -> tuple[str, int] | None:
                 return ("conditional (?(...)...)", i)
             if rest.startswith(">"):
                 return ("atomic group (?>...)", i)
-            m = _re.match(r"\(\?([a-zA-Z]*)(?:-([a-zA-Z]*))?[:)]", regex[i:])
+            m = _INLINE_FLAGS.match(regex, i)  # anchored at i: no copy of regex[i:] (was quadratic)
             if m:
                 for k, f in enumerate((m.group(1) or "") + (m.group(2) or "")):
                     if f not in "is":
@@ -226,27 +272,49 @@ def _convert(p, flags_i: bool, flags_s: bool, regex: str):
     raise UnsupportedRegexError(f"unsupported regex construct {type(p).__name__}", None)
 
 
-def parse_regex(regex: str, max_positions: int = 20000):
+def _check_deadline(deadline: float | None, stage: str) -> None:
+    if deadline is not None and time.perf_counter() > deadline:
+        raise CompileBudgetError(f"regex compilation exceeded the time budget ({stage})", None)
+
+
+def parse_regex(regex: str, max_positions: int = 20000, *, deadline: float | None = None,
+                limits: InputLimits | None = None):
     """Parse ``regex`` into a tree (module docstring) and check its expanded size.
+
+    Bounded work (issue 14): the length is checked first (O(1), :func:`.limits.check_regex`); every
+    scan of the text is one linear pass; group nesting is capped at :data:`MAX_GROUP_DEPTH` before the
+    (recursive) parser runs; ``deadline`` is checked between the stages (interegular's parser itself
+    cannot be interrupted: its cost is bounded by the length limit, about 15 µs per character of a
+    long literal alternation on the development host).
 
     Args:
         regex: the constraint; the whole output must match it.
         max_positions: budget on character positions after unrolling counted repetitions
             (``.{5000}`` has 5000).
+        deadline: ``time.perf_counter()`` value after which parsing stops (None: no deadline).
+        limits: :class:`~.limits.InputLimits` (None: :meth:`InputLimits.from_env`).
 
     Returns:
         The tree root (a tuple node).
 
     Raises:
-        RegexSyntaxError, UnsupportedRegexError (with ``position``), CompileBudgetError.
+        InputTooLargeError: longer than ``limits.max_regex_chars``.
+        RegexSyntaxError, UnsupportedRegexError (with ``position``), CompileBudgetError (expanded size,
+        nesting depth, deadline).
+        InvalidOptionError: a malformed ``VLLM_FST_MAX_*`` environment variable (``limits`` None).
     """
     import interegular.patterns as ip
     from interegular.utils.simple_parser import NoMatch
 
     if not isinstance(regex, str):
         raise RegexSyntaxError(f"regex must be a str, got {type(regex).__name__}", None)
+    check_regex(regex, InputLimits.from_env() if limits is None else limits)
     text, pos_map = _preprocess(regex)
-    found = _find_unsupported(text)
+    try:
+        found = _find_unsupported(text, MAX_GROUP_DEPTH)
+    except CompileBudgetError as e:
+        raise CompileBudgetError(str(e).split(" (at position")[0], pos_map[e.position]) from None
+    _check_deadline(deadline, "scan")
     if found is not None:
         raise UnsupportedRegexError(f"unsupported regex construct: {found[0]}", pos_map[found[1]])
     parser = ip._ParsePattern(text)
@@ -265,7 +333,9 @@ def parse_regex(regex: str, max_positions: int = 20000):
     except ip.Unsupported as e:
         idx = max(0, min(parser.index - 1, len(text)))
         raise UnsupportedRegexError(f"unsupported regex construct: {e}", pos_map[idx]) from None
-    except (ValueError, OverflowError, RecursionError) as e:  # e.g. chr() out of range in a class
+    except RecursionError:  # MAX_GROUP_DEPTH keeps clear of this unless the caller's stack is deep
+        raise CompileBudgetError("regex nests too deeply for the parser; flatten the pattern", None) from None
+    except (ValueError, OverflowError) as e:  # e.g. chr() out of range in a class
         idx = min(parser.index, len(text))
         raise RegexSyntaxError(f"regex does not parse: {e}", pos_map[idx]) from None
     flag_i = bool(parser.flags and parser.flags & ip.REFlags.I)
@@ -280,6 +350,7 @@ def parse_regex(regex: str, max_positions: int = 20000):
         if e.position is not None and e.position < len(pos_map):
             raise RegexSyntaxError(str(e).split(" (at position")[0], pos_map[e.position]) from None
         raise
+    _check_deadline(deadline, "parse")
     n = estimate_positions(node)
     if n > max_positions:
         raise CompileBudgetError(

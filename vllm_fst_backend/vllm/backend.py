@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from vllm_fst_backend.errors import ArtifactError
+from vllm_fst_backend.errors import ArtifactError, UnsupportedSchemaError
 
-from . import VLLM_VERSION_OK
+from . import BACKEND_NAME, VLLM_VERSION_OK
 from . import context as _context
 from .constraints import constraint_to_regex
+from .fallback import FallbackBackends, needs_fallback
 from .metrics import logger, metric_inc
 from .options import FstRequestOptions, parse_request_options
 
@@ -164,6 +165,7 @@ class FstBackend(_BackendBase):
             V,
             self.vocab_size,
         )
+        self.fallback = FallbackBackends(self.vllm_config, self.tokenizer, self.vocab_size, self.token_words)
         self.context.prepare_in_background()
 
     # ABC entry point (default options; vLLM's manager is routed to compile_request instead)
@@ -208,19 +210,33 @@ class FstBackend(_BackendBase):
             options=options,
         )
 
-    def compile_vllm_request(self, request: Any) -> FstGrammar:
-        """Compile for a ``vllm.v1.request.Request`` (options from ``sampling_params.extra_args``)."""
+    def compile_vllm_request(self, request: Any) -> Any:
+        """Grammar for a ``vllm.v1.request.Request``: fst's (options from ``sampling_params.extra_args``),
+        or the fallback backend's when the API server routed it there (``_backend`` is a built-in
+        backend's name) or when fst cannot express it (grammar, structural_tag, an unsupported schema
+        that reached the engine unchecked)."""
         sp = request.sampling_params
         so_req = request.structured_output_request
         request_type, spec = so_req.structured_output_key
-        return self.compile_request(
-            request_type,
-            spec,
-            options=parse_request_options(getattr(sp, "extra_args", None)),
-            whitespace_pattern=getattr(so_req.params, "whitespace_pattern", None),
-            stop_token_ids=getattr(sp, "all_stop_token_ids", None),
-            request_id=request.request_id,
-        )
+        stop_ids = getattr(sp, "all_stop_token_ids", None)
+        routed = getattr(so_req.params, "_backend", None)
+        kind = getattr(request_type, "name", str(request_type))
+        if routed not in (None, BACKEND_NAME) or needs_fallback(kind):
+            name = routed if routed not in (None, BACKEND_NAME) else self.fallback.default_name()
+            return self.fallback.compile(name, request_type, spec, stop_token_ids=stop_ids)
+        try:
+            return self.compile_request(
+                request_type,
+                spec,
+                options=parse_request_options(getattr(sp, "extra_args", None)),
+                whitespace_pattern=getattr(so_req.params, "whitespace_pattern", None),
+                stop_token_ids=stop_ids,
+                request_id=request.request_id,
+            )
+        except UnsupportedSchemaError as e:
+            name = self.fallback.default_name()
+            logger.info("fst: request %s: %s; served by the fallback backend %s", request.request_id, e, name)
+            return self.fallback.compile(name, request_type, spec, stop_token_ids=stop_ids)
 
     def allocate_token_bitmask(self, max_num_seqs: int):
         import torch
@@ -228,4 +244,4 @@ class FstBackend(_BackendBase):
         return torch.full((max_num_seqs, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     def destroy(self):
-        pass
+        self.fallback.destroy()

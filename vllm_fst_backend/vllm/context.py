@@ -11,8 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -208,16 +206,10 @@ def compile_budget_s(stage: str) -> float:
     return budget
 
 
-def _default_compile(regex: str, artifacts: Any, options: FstRequestOptions, budget_s: float):
-    from vllm_fst_backend.compiler import CompileBudgets, compile_regex
-
-    return compile_regex(regex, artifacts, options.compile_options(), budgets=CompileBudgets(time_budget_s=budget_s))
-
-
 def _default_prepare(artifacts: Any) -> None:
     from vllm_fst_backend.compiler import prepare
 
-    prepare(artifacts, canonical=getattr(artifacts, "canonical", None) is not None)
+    prepare(artifacts)
 
 
 def _default_matcher(compiled: Any):
@@ -226,8 +218,14 @@ def _default_matcher(compiled: Any):
     return FstMatcher(compiled)
 
 
+def _default_compile(regex: str, artifacts: Any, options: Any, budget_s: float) -> Any:
+    from vllm_fst_backend.compiler import CompileBudgets, compile_regex
+
+    return compile_regex(regex, artifacts, options, budgets=CompileBudgets(time_budget_s=budget_s))
+
+
 # Hooks (tests replace them; production leaves them alone).
-compile_function: Callable[[str, Any, FstRequestOptions, float], Any] = _default_compile
+compile_function: Callable[[str, Any, Any, float], Any] = _default_compile
 matcher_factory: Callable[[Any], Any] = _default_matcher
 prepare_function: Callable[[Any], None] = _default_prepare
 
@@ -239,40 +237,43 @@ class CompileResult:
     cache_hit: bool
 
 
-class TokenizerContext:
-    """Artifacts of one tokenizer plus an LRU cache of compiled automata (thread-safe; concurrent
-    requests for the same key compile once; failures are not cached). Bounded by
-    ``$VLLM_FST_CACHE_BYTES`` (default 512 MiB, by ``CompiledAutomaton.nbytes``) and
-    ``$VLLM_FST_CACHE_SIZE`` entries (default 256). One per tokenizer per process."""
+def cache_bytes_from_env() -> int:
+    """``$VLLM_FST_CACHE_BYTES``: bytes of compiled automata kept per tokenizer per process (default
+    512 MiB, by ``CompiledAutomaton.nbytes``)."""
+    raw = os.environ.get("VLLM_FST_CACHE_BYTES", "").strip()
+    try:
+        value = int(raw) if raw else 512 << 20
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise InvalidOptionError(f"VLLM_FST_CACHE_BYTES must be a positive number of bytes, got {raw!r}")
+    return value
 
-    def __init__(self, artifacts: Any, tokenizer_path: str = "", cache_size: int | None = None,
-                 cache_bytes: int | None = None):
+
+class TokenizerContext:
+    """Artifacts of one tokenizer plus its cache of compiled automata (``compiler.CompiledCache``:
+    LRU bounded in bytes, thread-safe, concurrent requests for one key compile once, failures not
+    cached). One per tokenizer per process."""
+
+    def __init__(self, artifacts: Any, tokenizer_path: str = "", cache_bytes: int | None = None):
+        from vllm_fst_backend.compiler import CompiledCache
+
         self.artifacts = artifacts
         self.tokenizer_path = tokenizer_path
-        self.cache_size = cache_size if cache_size is not None else int(os.environ.get("VLLM_FST_CACHE_SIZE", "256"))
-        self.cache_bytes = (
-            cache_bytes if cache_bytes is not None else int(os.environ.get("VLLM_FST_CACHE_BYTES", str(512 << 20)))
-        )
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._sizes: dict[tuple, int] = {}
-        self.nbytes = 0
-        self._lock = threading.Lock()
+        self.cache = CompiledCache(cache_bytes if cache_bytes is not None else cache_bytes_from_env())
+        self.disk = _disk_cache()
         self.eos_ids: tuple[int, ...] = tuple(int(x) for x in _artifact_attr(artifacts, "eos_ids", ()))
         self.vocab_size = int(_artifact_attr(artifacts, "vocab_size", 0) or 0)
 
-    def _evict(self) -> None:  # under self._lock
-        while self._cache and (len(self._cache) > max(1, self.cache_size) or self.nbytes > self.cache_bytes):
-            key, fut = next(iter(self._cache.items()))
-            if not fut.done():  # never evict an in-flight compile
-                break
-            self._cache.popitem(last=False)
-            self.nbytes -= self._sizes.pop(key, 0)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of compiled automata held in this process's cache."""
+        return self.cache.nbytes
 
     def prepare_in_background(self) -> threading.Thread:
-        """Build the compiler's per-tokenizer structures (``compiler.prepare``: token trie, canonical
-        helper; ~2 s for SmolLM2, ~14 s for Tekken on 2 cores, docs/benchmarks.md "Canonical compile per
-        tokenizer") in a daemon thread, so that the first request does not wait for them. A failure is
-        only logged: the first compile then builds them (and reports any error to its request)."""
+        """Build the compiler's per-tokenizer structures (``compiler.prepare``) in a daemon thread, so
+        that the first request does not wait for them. A failure is only logged: the first compile
+        then builds them (and reports any error to its request)."""
 
         def run() -> None:
             t0 = time.monotonic()
@@ -287,51 +288,61 @@ class TokenizerContext:
         th.start()
         return th
 
-    def peek(self, regex: str, options: FstRequestOptions) -> Any:
-        """The compiled automaton if it is already in the cache (finished), else None; never compiles."""
-        key = (regex, options.cache_key)
-        with self._lock:
-            fut = self._cache.get(key)
-        if fut is None or not fut.done() or fut.exception() is not None:
+    def _key(self, regex: str, options: FstRequestOptions) -> tuple:
+        return self.cache.key(regex, options.compile_options(), self.artifacts)
+
+    def _disk_key(self, regex: str, options: FstRequestOptions) -> str | None:
+        if self.disk is None or not hasattr(self.artifacts, "fingerprint"):
             return None
-        return fut.result()
+        return self.disk.key(regex, options.compile_options(), self.artifacts)
+
+    def peek(self, regex: str, options: FstRequestOptions) -> Any:
+        """The compiled automaton if this process has it or another process of the host stored it
+        (``compiler.persist.DiskCache``: the API server's compile process, the engine core), else None;
+        never compiles."""
+        key = self._key(regex, options)
+        got = self.cache.get(key)
+        if got is None:
+            dkey = self._disk_key(regex, options)
+            if dkey is not None:
+                got = self.disk.load(dkey, self.artifacts)
+                if got is not None:
+                    self.cache.put(key, got)
+                    metric_inc("disk_cache_loads")
+        return got
 
     def compile(self, regex: str, options: FstRequestOptions, budget_s: float | None = None) -> CompileResult:
-        """Compile (or take from the cache) ``regex`` under ``options`` within ``budget_s`` seconds
-        (default: :func:`compile_budget_s` ``("validate")``). Raises the compiler's errors (not cached)."""
-        key = (regex, options.cache_key)
-        with self._lock:
-            fut = self._cache.get(key)
-            owner = fut is None
-            if owner:
-                fut = Future()
-                self._cache[key] = fut
-            else:
-                self._cache.move_to_end(key)
-        if not owner:
-            t0 = time.monotonic()
-            compiled = fut.result()  # re-raises the compile error of the owner
-            return CompileResult(compiled, (time.monotonic() - t0) * 1e3, True)
+        """Compile (or take from this process's cache or the host's disk cache) ``regex`` under
+        ``options`` within ``budget_s`` seconds (default: :func:`compile_budget_s` ``("validate")``); a
+        fresh automaton is stored on disk for the host's other processes. Raises the compiler's errors
+        (not cached)."""
         t0 = time.monotonic()
-        try:
-            compiled = compile_function(regex, self.artifacts, options,
-                                        compile_budget_s("validate") if budget_s is None else budget_s)
-        except BaseException as e:
-            with self._lock:
-                if self._cache.get(key) is fut:
-                    del self._cache[key]  # not cached: a bad regex fails every time (cheaply)
-            fut.set_exception(e)
-            raise
-        fut.set_result(compiled)
+        hit = self.peek(regex, options)
+        if hit is not None:
+            return CompileResult(hit, (time.monotonic() - t0) * 1e3, True)
+        budget = compile_budget_s("validate") if budget_s is None else budget_s
+        t0 = time.monotonic()
+        compiled = self.cache.get_or_compile(
+            regex, self.artifacts, options.compile_options(),
+            compile_fn=lambda r, a, o: compile_function(r, a, o, budget),
+        )
         ms = (time.monotonic() - t0) * 1e3
-        with self._lock:
-            if self._cache.get(key) is fut:
-                size = int(getattr(compiled, "nbytes", 0) or 0)
-                self._sizes[key] = size
-                self.nbytes += size
-                self._evict()
+        dkey = self._disk_key(regex, options)
+        if dkey is not None and getattr(compiled, "nbytes", None) is not None:
+            self.disk.store(dkey, compiled)
         metric_inc("compile_seconds", ms / 1e3)
         return CompileResult(compiled, ms, False)
+
+
+def _disk_cache() -> Any:
+    """The host-shared disk cache (``compiler.persist``), or None when disabled or misconfigured."""
+    from vllm_fst_backend.compiler.persist import disk_cache_from_env
+
+    try:
+        return disk_cache_from_env()
+    except InvalidOptionError as e:
+        logger.error("fst: disk cache disabled: %s", e)
+        return None
 
 
 def _artifact_attr(artifacts: Any, name: str, default: Any) -> Any:
@@ -370,3 +381,110 @@ def get_tokenizer_context(model_config: Any) -> TokenizerContext:
 # Facts about the served configuration learnt in this process (``InputProcessor.__init__`` wrap in
 # the API server): ``backend``, ``speculative_model``.
 SERVED: dict[str, Any] = {}
+
+
+# ---- the compile check of the API server (out of its event loop and GIL) ----------------------------
+
+
+class InProcessChecker:
+    """The compile check in this process (conversion + compile into its :class:`TokenizerContext`);
+    used when the isolated compile process is disabled (``VLLM_FST_CHECK_PROCESS=0``)."""
+
+    def __init__(self, model_config: Any):
+        self.model_config = model_config
+
+    def check(self, kind: str, spec: Any, *, whitespace_pattern: str | None = None,
+              options: FstRequestOptions | None = None, budget_s: float | None = None) -> str:
+        """The constraint's regex, once it compiled. Raises the conversion's / compiler's errors."""
+        from vllm_fst_backend.compiler.constraints import constraint_to_regex
+
+        regex = constraint_to_regex(kind, spec, whitespace_pattern)
+        get_tokenizer_context(self.model_config).compile(regex, options or FstRequestOptions(), budget_s)
+        return regex
+
+    async def acheck(self, kind: str, spec: Any, **kw: Any) -> str:
+        """:meth:`check` in a worker thread (off the event loop, but not off the GIL)."""
+        import asyncio
+
+        return await asyncio.to_thread(self.check, kind, spec, **kw)
+
+
+class ServiceChecker:
+    """The compile check in the isolated compile processes (``compiler.service.CompileService``): the
+    API server's event loop only awaits a thread that waits on a pipe; the automaton lands in the
+    host's disk cache, where the engine core loads it."""
+
+    def __init__(self, model_config: Any):
+        from vllm_fst_backend.compiler.service import CompileService
+
+        tok = local_tokenizer_path(model_config)
+        directory = resolve_artifacts_dir(tok)
+        load_or_build_artifacts(tok, directory)  # builds missing artifacts once (file lock)
+        workers = _positive_int_env("VLLM_FST_CHECK_WORKERS", 2)
+        self.service = CompileService(directory, tok, workers=workers)
+        self.service.start()
+
+    def check(self, kind: str, spec: Any, *, whitespace_pattern: str | None = None,
+              options: FstRequestOptions | None = None, budget_s: float | None = None) -> str:
+        """The constraint's regex, once it compiled in a compile process. Raises the named errors of
+        the conversion and the compiler, ``CompileMemoryError``, ``CompileServiceError``."""
+        res = self.service.check(kind, spec, whitespace_pattern=whitespace_pattern,
+                                 options=(options or FstRequestOptions()).compile_options(),
+                                 budget_s=compile_budget_s("validate") if budget_s is None else budget_s)
+        if not res.cache_hit:
+            metric_inc("compile_seconds", res.ms / 1e3)
+        return res.regex
+
+    async def acheck(self, kind: str, spec: Any, **kw: Any) -> str:
+        """:meth:`check` awaited from the event loop (a thread blocked in ``select``, GIL released)."""
+        import asyncio
+
+        return await asyncio.to_thread(self.check, kind, spec, **kw)
+
+
+def _positive_int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = int(raw) if raw else default
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise InvalidOptionError(f"{name} must be a positive integer, got {raw!r}")
+    return value
+
+
+_CHECKERS: dict[str, Any] = {}
+_CHECKERS_LOCK = threading.Lock()
+
+
+def get_checker(model_config: Any) -> Any:
+    """The compile checker of the served tokenizer in this process (created once):
+    :class:`ServiceChecker` unless ``VLLM_FST_CHECK_PROCESS=0`` (then :class:`InProcessChecker`). An
+    object with ``check(kind, spec, *, whitespace_pattern, options, budget_s) -> regex`` and
+    ``async acheck(...)``.
+
+    Raises:
+        ArtifactError: artifacts missing and not buildable; InvalidOptionError: a bad variable.
+    """
+    tok = local_tokenizer_path(model_config)
+    with _CHECKERS_LOCK:
+        checker = _CHECKERS.get(tok)
+        if checker is None:
+            cls = ServiceChecker if env_flag("VLLM_FST_CHECK_PROCESS", True) else InProcessChecker
+            checker = _CHECKERS[tok] = cls(model_config)
+        return checker
+
+
+def start_checker_in_background(model_config: Any) -> threading.Thread:
+    """Create the checker now (API server start-up: the compile processes load the artifacts while the
+    engine warms up), in a daemon thread; a failure is logged and retried by the first request."""
+
+    def run() -> None:
+        try:
+            get_checker(model_config)
+        except Exception as e:
+            logger.warning("fst: compile checker not started: %s", e)
+
+    th = threading.Thread(target=run, name="fst-checker-start", daemon=True)
+    th.start()
+    return th

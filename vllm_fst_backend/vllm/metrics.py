@@ -24,16 +24,24 @@ _METRIC_DEFS = {
     "tokens": ("vllm_fst_constrained_tokens_total", "Tokens accepted by fst grammars"),
     "forced_tokens": ("vllm_fst_forced_tokens_total", "Accepted tokens that were forced (one allowed token)"),
     "jump_drafts": ("vllm_fst_jump_draft_tokens_total", "Forced tokens proposed as speculative drafts"),
+    "disk_cache_loads": ("vllm_fst_disk_cache_loads_total", "Compiled automata loaded from the host's disk cache instead of compiled"),
+    "fallback": ("vllm_fst_fallback_requests_total", "Requests routed to the fallback backend, by constraint kind"),
+    "precheck_seconds": ("vllm_fst_precheck_seconds_total", "Seconds API-server requests waited for the isolated check"),
 }
+_METRIC_LABELS = {"fallback": ("kind",)}
 
 
 class _NullCounter:
     def inc(self, amount: float = 1.0) -> None:
         pass
 
+    def labels(self, **labels: str) -> "_NullCounter":
+        return self
 
-def metric_inc(key: str, amount: float = 1.0) -> None:
-    """Add ``amount`` to the counter ``key`` of :data:`_METRIC_DEFS` (created on first use)."""
+
+def metric_inc(key: str, amount: float = 1.0, **labels: str) -> None:
+    """Add ``amount`` to the counter ``key`` of :data:`_METRIC_DEFS` (created on first use; ``labels``
+    for the counters of :data:`_METRIC_LABELS`)."""
     try:
         c = _METRICS.get(key)
         if c is None:
@@ -43,8 +51,8 @@ def metric_inc(key: str, amount: float = 1.0) -> None:
                     from prometheus_client import Counter
 
                     name, doc = _METRIC_DEFS[key]
-                    c = Counter(name.removesuffix("_total"), doc)
+                    c = Counter(name.removesuffix("_total"), doc, labelnames=_METRIC_LABELS.get(key, ()))
                     _METRICS[key] = c
-        c.inc(amount)
+        (c.labels(**labels) if labels else c).inc(amount)
     except Exception:  # metrics are best effort
         _METRICS.setdefault(key, _NullCounter())

@@ -13,7 +13,7 @@ from . import validation
 from .backend import FstBackend
 from .constraints import legacy_guided_to_structured_outputs
 from .metrics import logger
-from .options import FALSE_WORDS, TRUE_WORDS
+from .options import FALSE_WORDS, TRUE_WORDS, env_flag
 
 _PATCHES: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) for uninstall()
 
@@ -59,13 +59,7 @@ def _patch_sampling_params() -> None:
         def _validate_structured_outputs(self, model_config, structured_outputs_config, tokenizer):
             if structured_outputs_config is None or structured_outputs_config.backend != BACKEND_NAME:
                 return orig(self, model_config, structured_outputs_config, tokenizer)
-            if self.structured_outputs is not None:
-                try:
-                    orig(self, model_config, validation.ConfigProxy(structured_outputs_config), tokenizer)
-                except validation.GenericChecksDone:
-                    pass
-                self.structured_outputs._backend = BACKEND_NAME
-            validation.validate_fst_request(self, model_config, tokenizer)
+            validation.validate_structured_outputs(self, orig, model_config, structured_outputs_config, tokenizer)
 
         return _validate_structured_outputs
 
@@ -139,6 +133,8 @@ def _patch_input_processor() -> None:
                 _context.SERVED["speculative_model"] = getattr(spec, "model", None) if spec is not None else None
             except Exception:
                 pass
+            if _context.SERVED.get("backend") == BACKEND_NAME and env_flag("VLLM_FST_VALIDATE_COMPILE", True):
+                _context.start_checker_in_background(vllm_config.model_config)
 
         return __init__
 
@@ -277,8 +273,34 @@ def legacy_mapping_active() -> bool:
     return _context.SERVED.get("backend") == BACKEND_NAME
 
 
+def _patch_serving_precheck() -> None:
+    """Wrap ``OpenAIServingChat.create_chat_completion`` and ``OpenAIServingCompletion.create_completion``
+    (vLLM 0.32; async, before the request is rendered and enters the engine) to await
+    :func:`validation.aprecheck`: the compile check runs out of the event loop, and its failure is
+    vLLM's own 400 ``ErrorResponse`` -- also for streamed requests, whose engine-side errors would
+    arrive after the 200 headers."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import GracefulHTTPError, VLLMClientError
+
+    def make(orig):
+        async def handler(self, request, raw_request=None, *args, **kwargs):
+            if _context.SERVED.get("backend") == BACKEND_NAME:
+                try:
+                    await validation.aprecheck(request, self.model_config)
+                except (VLLMClientError, GracefulHTTPError) as e:
+                    return create_error_response(e)
+            return await orig(self, request, raw_request, *args, **kwargs)
+
+        return handler
+
+    _wrap(OpenAIServingChat, "create_chat_completion", make)
+    _wrap(OpenAIServingCompletion, "create_completion", make)
+
+
 CORE_PATCHES = (_patch_config_literal, _patch_sampling_params, _patch_manager)
-OPTIONAL_PATCHES = (_patch_input_processor, _patch_protocol, _patch_beam_search)
+OPTIONAL_PATCHES = (_patch_input_processor, _patch_protocol, _patch_beam_search, _patch_serving_precheck)
 
 
 def install() -> None:

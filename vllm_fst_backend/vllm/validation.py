@@ -1,17 +1,40 @@
-"""API-server checks of a request for the fst backend (``SamplingParams._validate_structured_outputs``
-wrap): errors as ``VLLMValidationError`` (HTTP 400) or a 500 that keeps its message."""
+"""API-server checks of a request for the fst backend.
+
+* :func:`validate_structured_outputs` -- the ``SamplingParams._validate_structured_outputs`` wrap (sync,
+  often on the API server's event loop): cheap checks only (``fst_*`` options, input size limits,
+  constraint kind), routes the request to fst or to the fallback (``fallback.py``).
+* :func:`aprecheck` -- awaited by the chat/completion handlers before a request enters the engine: the
+  compile check (JSON schema conversion + compile) in the isolated compile process, so that a budget
+  or empty-language error is an HTTP 400 with the reason, and an unsupported schema is routed to the
+  fallback. Its verdicts are remembered (:data:`PRECHECKS`) for the sync hook.
+
+Errors: ``VLLMValidationError`` (HTTP 400) or :func:`server_error` (a 500 that keeps its message).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
 from typing import Any
 
-from vllm_fst_backend.errors import ArtifactError, FstBackendError, InvalidOptionError
+from vllm_fst_backend.errors import (
+    ArtifactError,
+    FstBackendError,
+    InputTooLargeError,
+    InvalidOptionError,
+    UnsupportedSchemaError,
+)
 
 from . import BACKEND_NAME
 from . import context as _context
-from .constraints import InvalidConstraintError, params_to_regex
+from . import fallback
+from .constraints import InvalidConstraintError, check_input_limits, constraint_to_regex, params_kind
 from .metrics import logger, metric_inc
-from .options import env_flag, parse_request_options
+from .options import env_flag, fst_keys, parse_request_options
 
 
 class GenericChecksDone(Exception):
@@ -26,12 +49,17 @@ class _FstName(str):
 
 
 class ConfigProxy:
-    def __init__(self, cfg: Any):
+    """The served ``StructuredOutputsConfig`` with another ``backend``: ``"fst"`` (the original
+    validator runs vLLM's generic checks and stops at its backend dispatch) or a built-in backend's
+    name (the original validator runs that backend's validation, for fallback requests)."""
+
+    def __init__(self, cfg: Any, backend: str = BACKEND_NAME):
         self._cfg = cfg
+        self._backend = _FstName(BACKEND_NAME) if backend == BACKEND_NAME else backend
 
     @property
     def backend(self) -> str:
-        return _FstName(BACKEND_NAME)
+        return self._backend
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cfg, name)
@@ -51,55 +79,172 @@ def server_error(message: str) -> Exception:
 
 
 def validation_error(message: str, parameter: str | None = None) -> Exception:
+    """``VLLMValidationError`` (HTTP 400 naming ``parameter``)."""
     from vllm.exceptions import VLLMValidationError
 
     return VLLMValidationError(message, parameter=parameter)
 
 
-def validate_fst_request(params: Any, model_config: Any, tokenizer: Any = None) -> None:
-    """Validate a request for the fst backend (options, constraint kind, JSON schema, compile).
+# ---- verdicts of the async precheck, read by the sync hook ---------------------------------------
+
+
+class PrecheckResults:
+    """Bounded LRU of precheck verdicts: key = SHA-256 of (kind, spec text, whitespace pattern,
+    options) (32 bytes), value = ``None`` (fst serves it) or the ``UnsupportedSchemaError`` that routes
+    it to the fallback. At most ``max_entries`` entries (thread-safe)."""
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self._data: OrderedDict[bytes, BaseException | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(kind: str, spec: Any, whitespace_pattern: str | None, options: Any) -> bytes:
+        text = spec if isinstance(spec, str) else json.dumps(spec, ensure_ascii=False)
+        h = hashlib.sha256()
+        for part in (kind, text or "", whitespace_pattern or "", repr(options.cache_key)):
+            h.update(part.encode("utf-8", "surrogatepass"))
+            h.update(b"\0")
+        return h.digest()
+
+    def put(self, key: bytes, verdict: BaseException | None) -> None:
+        with self._lock:
+            self._data[key] = verdict
+            self._data.move_to_end(key)
+            while len(self._data) > self.max_entries:
+                self._data.popitem(last=False)
+
+    def get(self, key: bytes) -> tuple[bool, BaseException | None]:
+        """(found, verdict)."""
+        with self._lock:
+            if key not in self._data:
+                return False, None
+            self._data.move_to_end(key)
+            return True, self._data[key]
+
+
+PRECHECKS = PrecheckResults()
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+# ---- the sync hook ----------------------------------------------------------------------------------
+
+
+def validate_structured_outputs(params: Any, orig: Any, model_config: Any, so_config: Any, tokenizer: Any) -> None:
+    """The wrapped ``SamplingParams._validate_structured_outputs`` for the served backend ``fst``:
+    options, input limits and the route (fst or the fallback, whose own vLLM validation then runs);
+    the compile check only when not on an event loop (offline ``LLM``) and not prechecked.
 
     Raises:
-        VLLMValidationError: HTTP 400, with the fst message.
+        VLLMValidationError: HTTP 400 with the fst message.
     """
     try:
         options = parse_request_options(getattr(params, "extra_args", None))
     except InvalidOptionError as e:
         raise validation_error(f"fst: {e}", parameter="vllm_xargs") from None
-    so = getattr(params, "structured_outputs", None)
+    so = params.structured_outputs
     if so is None:
-        if options.jump or any(k.startswith("fst_") for k in (params.extra_args or {})):
-            logger.debug("fst options given without a structured-output constraint: ignored")
         return
     try:
-        kind, regex = params_to_regex(so)
-    except InvalidConstraintError as e:
+        kind, spec = params_kind(so)
+        check_input_limits(kind, spec)
+    except (InvalidConstraintError, InputTooLargeError) as e:
         raise validation_error(f"fst: {e}", parameter="structured_outputs") from None
-    if options.jump:
-        _warn_jump_without_proposer(model_config)
-    if not env_flag("VLLM_FST_VALIDATE_COMPILE", True):
-        return
+    ws = getattr(so, "whitespace_pattern", None)
+    found, verdict = PRECHECKS.get(PrecheckResults.key(kind, spec, ws, options)) if kind == "JSON" else (False, None)
+    if fallback.needs_fallback(kind, verdict):
+        return _validate_fallback(params, orig, model_config, so_config, tokenizer, kind, verdict)
     try:
-        budget_s = _context.compile_budget_s("validate")
+        orig(params, model_config, ConfigProxy(so_config), tokenizer)  # vLLM's generic checks
+    except GenericChecksDone:
+        pass
+    so._backend = BACKEND_NAME
+    if options.jump:
+        _warn_jump_without_proposer()
+    if found or _on_event_loop() or not env_flag("VLLM_FST_VALIDATE_COMPILE", True):
+        return  # prechecked, or the engine compiles (no compile on an event loop)
+    verdict = check_in_process(kind, spec, ws, options, model_config)
+    if verdict is not None:  # offline LLM: an unsupported schema routes here
+        so._backend = None
+        _validate_fallback(params, orig, model_config, so_config, tokenizer, kind, verdict)
+
+
+def _validate_fallback(params, orig, model_config, so_config, tokenizer, kind, error) -> None:
+    setting = _fallback_setting()
+    reason = fallback.fallback_reason(kind, error)
+    if setting == "none":
+        raise validation_error(f"fst: {reason} ({fallback.FALLBACK_ENV}=none): {_supported_text()}",
+                               parameter="structured_outputs")
+    keys = fst_keys(getattr(params, "extra_args", None))
+    if keys:
+        raise validation_error(
+            f"fst: {', '.join(keys)} cannot apply: this request is served by the fallback backend ({reason})",
+            parameter="vllm_xargs",
+        )
+    orig(params, model_config, ConfigProxy(so_config, setting), tokenizer)  # vLLM's own validation
+    fallback.count_fallback(kind, params.structured_outputs._backend or setting, reason)
+
+
+def _fallback_setting() -> str:
+    try:
+        return fallback.fallback_setting()
     except InvalidOptionError as e:  # the server's configuration, not the request
         raise server_error(f"fst backend misconfigured: {e}") from None
+
+
+def _supported_text() -> str:
+    from .constraints import SUPPORTED_TEXT
+
+    return SUPPORTED_TEXT
+
+
+def _compile_budget() -> float:
     try:
+        return _context.compile_budget_s("validate")
+    except InvalidOptionError as e:  # the server's configuration, not the request
+        raise server_error(f"fst backend misconfigured: {e}") from None
+
+
+def _raise_compile_error(kind: str, e: BaseException) -> None:
+    if isinstance(e, (ArtifactError, ImportError)):  # server-side: a 500 with the message
+        logger.error("fst: cannot check request constraints: %s", e)
+        raise server_error(f"fst backend unavailable: {e}") from None
+    raise validation_error(f"fst: cannot compile the {kind.lower()} constraint: {e}", "structured_outputs") from None
+
+
+def check_in_process(kind: str, spec: Any, ws: str | None, options: Any, model_config: Any):
+    """The compile check in this process (no event loop here: offline ``LLM``). Returns None (fst
+    serves it) or the ``UnsupportedSchemaError`` that sends it to the fallback.
+
+    Raises:
+        VLLMValidationError: bad constraint, over a budget, empty language (HTTP 400).
+    """
+    budget_s = _compile_budget()
+    try:
+        regex = constraint_to_regex(kind, spec, ws)
         ctx = _context.get_tokenizer_context(model_config)
         res = ctx.compile(regex, options, budget_s)
-    except (ArtifactError, ImportError) as e:  # server-side problem: a 500 with the message, not a 400
-        logger.error("fst: cannot compile request constraints: %s", e)
-        raise server_error(f"fst backend unavailable: {e}") from None
-    except FstBackendError as e:
-        raise validation_error(f"fst: cannot compile the {kind.lower()} constraint: {e}", "structured_outputs") from None
+    except UnsupportedSchemaError as e:
+        return e
+    except (FstBackendError, ImportError) as e:
+        _raise_compile_error(kind, e)
     metric_inc("validated")
     if not res.cache_hit:
         logger.info("fst: validated %s constraint: compiled in %.1f ms", kind.lower(), res.ms)
+    return None
 
 
 _SPEC_WARNED = False
 
 
-def _warn_jump_without_proposer(model_config: Any) -> None:
+def _warn_jump_without_proposer() -> None:
     global _SPEC_WARNED
     if _SPEC_WARNED:
         return
@@ -112,3 +257,48 @@ def _warn_jump_without_proposer(model_config: Any) -> None:
             "\"vllm_fst_backend.vllm_plugin.FstForcedTokenProposer\", \"num_speculative_tokens\": N}'); "
             "decoding is correct but without jumps"
         )
+
+
+# ---- the async precheck (chat / completion handlers) ----------------------------------------------
+
+
+async def aprecheck(request: Any, model_config: Any) -> None:
+    """Check the constraint of an OpenAI ``request`` (``ChatCompletionRequest`` / ``CompletionRequest``)
+    before it enters the engine: JSON schema conversion + compile, awaited off the event loop (the
+    isolated compile process of :func:`context.get_checker`). Requests the sync hook answers by itself
+    (bad options, over an input limit, grammar / structural_tag, no constraint) pass untouched.
+
+    Raises:
+        VLLMValidationError: bad constraint, over a compile budget, empty language (HTTP 400).
+        FstServerError: artifacts missing or the checker unavailable (HTTP 500 with the message).
+    """
+    so = request.extract_structured_outputs()
+    if so is None or not env_flag("VLLM_FST_VALIDATE_COMPILE", True):
+        return
+    try:
+        options = parse_request_options(getattr(request, "vllm_xargs", None))
+        kind, spec = params_kind(so)
+        check_input_limits(kind, spec)
+    except (FstBackendError, TypeError):
+        return  # the sync hook answers these (400) with vLLM's generic checks first
+    if kind in fallback.FALLBACK_KINDS:
+        return
+    ws = getattr(so, "whitespace_pattern", None)
+    key = PrecheckResults.key(kind, spec, ws, options)
+    if kind == "JSON" and PRECHECKS.get(key)[0]:
+        return
+    budget_s = _compile_budget()
+    t0 = time.monotonic()
+    try:
+        checker = await asyncio.to_thread(_context.get_checker, model_config)  # may start processes
+        await checker.acheck(kind, spec, whitespace_pattern=ws, options=options, budget_s=budget_s)
+    except UnsupportedSchemaError as e:
+        PRECHECKS.put(key, e)
+        return
+    except (FstBackendError, ImportError) as e:
+        _raise_compile_error(kind, e)
+    finally:
+        metric_inc("precheck_seconds", time.monotonic() - t0)
+    metric_inc("validated")
+    if kind == "JSON":
+        PRECHECKS.put(key, None)

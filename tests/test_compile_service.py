@@ -1,0 +1,164 @@
+"""The host-shared disk cache of compiled automata (``compiler/persist.py``) and the isolated compile
+process (``compiler/service.py``), on the real SmolLM2 tokenizer with canonical artifacts.
+
+* A stored automaton loaded in another process state gives the same rows, successors and accepting
+  states along random walks as the one compiled (explicit and factored modes).
+* The key separates regexes, options and tokenizers; the directory stays within its byte budget.
+* The compile process returns the compiler's named errors with their attributes, enforces the memory
+  budget and the time budget by stopping the process, and keeps serving afterwards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_fst_backend.compiler import CompileBudgets, CompileOptions, compile_regex
+from vllm_fst_backend.compiler import persist
+from vllm_fst_backend.errors import (
+    CompileBudgetError,
+    CompileMemoryError,
+    InputTooLargeError,
+    RegexSyntaxError,
+    UnsupportedSchemaError,
+)
+
+REGEXES = [
+    r"(yes|no|maybe)",  # explicit
+    r"\d{4}-\d{2}-\d{2}",  # explicit
+    r'\{"name": "[A-Za-z ]{1,20}", "age": [0-9]{1,3}\}',
+    r'"[^"\\]{0,40}"',  # factored
+    r"[^\n]{1,200}",  # factored
+]
+
+
+@pytest.fixture(scope="module")
+def smol(built_artifacts, smollm2_dir):
+    from vllm_fst_backend.artifacts.store import load_artifacts
+
+    d = built_artifacts("smollm2", canonical=True)
+    return d, load_artifacts(d, tokenizer_path=smollm2_dir), smollm2_dir
+
+
+def _row(c, state):
+    return c.factored.row(state) if c.mode == "factored" else c.allowed_row(state)
+
+
+def _walk_signature(c, rng, steps=40):
+    """Rows, accepting flags and successors along a random walk (tokens chosen from each row)."""
+    out = []
+    state = 0
+    for _ in range(steps):
+        row = np.asarray(_row(c, state))
+        out.append(row.tobytes())
+        out.append(bool(c.is_accepting(state)))
+        bits = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        bits = np.array([b for b in bits.tolist() if not c.is_eos(b)])
+        if not len(bits):
+            break
+        tok = int(rng.choice(bits))
+        nxt = c.next_state(state, tok)
+        out.append((tok, nxt))
+        state = nxt
+    return out
+
+
+@pytest.mark.parametrize("canonical", [True, False])
+def test_round_trip_same_automaton(smol, canonical):
+    _, art, _ = smol
+    opts = CompileOptions(canonical=canonical)
+    modes = set()
+    for rx in REGEXES:
+        c = compile_regex(rx, art, opts, budgets=CompileBudgets(time_budget_s=60))
+        data = persist.dumps(c)
+        c2 = persist.loads(data, art)
+        assert c2 is not c and c2.mode == c.mode
+        modes.add(c.mode)
+        for seed in range(3):
+            assert _walk_signature(c, np.random.default_rng(seed)) == _walk_signature(c2, np.random.default_rng(seed)), rx
+    if canonical:
+        assert modes == {"explicit", "factored"}  # both representations went through the store
+
+
+def test_disk_cache_keys_and_budget(smol, tmp_path):
+    _, art, _ = smol
+    cache = persist.DiskCache(tmp_path / "c", max_bytes=10 << 20)
+    k1 = cache.key("(a|b)", CompileOptions(), art)
+    assert k1 != cache.key("(a|c)", CompileOptions(), art)
+    assert k1 != cache.key("(a|b)", CompileOptions(canonical=False), art)
+    assert cache.load(k1, art) is None
+    sizes = []
+    for rx in REGEXES:
+        c = compile_regex(rx, art, CompileOptions(), budgets=CompileBudgets(time_budget_s=60))
+        sizes.append(cache.store(cache.key(rx, CompileOptions(), art), c))
+        assert cache.nbytes() <= cache.max_bytes
+    assert all(s > 0 for s in sizes)
+    assert sum(sizes) > cache.max_bytes  # the budget forced evictions
+    assert cache.load(cache.key(REGEXES[-1], CompileOptions(), art), art) is not None  # newest kept
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.fixture(scope="module")
+def service(smol, tmp_path_factory):
+    from vllm_fst_backend.compiler.service import CompileService
+
+    d, _, tok = smol
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_FST_DISK_CACHE_DIR", str(tmp_path_factory.mktemp("disk")))
+    svc = CompileService(d, str(tok), workers=1)
+    svc.start()
+    yield svc
+    svc.close()
+    mp.undo()
+
+
+def test_service_compiles_into_the_disk_cache(service, smol):
+    _, art, _ = smol
+    r = service.check("JSON", {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}},
+                               "required": ["b", "a"], "additionalProperties": False}, budget_s=30)
+    assert r.regex.index('"b"') < r.regex.index('"a"')  # schema order
+    assert not r.cache_hit and r.ms > 0
+    again = service.check("JSON", {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}},
+                                   "required": ["b", "a"], "additionalProperties": False}, budget_s=30)
+    assert again.cache_hit and again.regex == r.regex
+    disk = persist.disk_cache_from_env()
+    c = disk.load(disk.key(r.regex, CompileOptions(), art), art)
+    assert c is not None and _row(c, 0).any()
+
+
+def test_service_returns_named_errors(service):
+    with pytest.raises(RegexSyntaxError) as e:
+        service.check("REGEX", "(ab", budget_s=10)
+    assert e.value.position == 3
+    with pytest.raises(InputTooLargeError) as e2:
+        service.check("REGEX", "a" * 200_001, budget_s=10)
+    assert e2.value.limit_name == "max_regex_chars" and e2.value.measured == 200_001
+    with pytest.raises(UnsupportedSchemaError) as e3:
+        service.check("JSON", {"type": "object", "not": {"required": ["a"]}}, budget_s=10)
+    assert e3.value.keyword == "not"
+    with pytest.raises(CompileBudgetError, match="states"):
+        service.check("REGEX", r"(a|b)*a(a|b){20}", budget_s=10)
+    assert service.check("CHOICE", ["x", "y"], budget_s=10).regex == "(x|y)"
+
+
+def test_service_memory_and_time_budgets_stop_the_process(smol):
+    from vllm_fst_backend.compiler.service import CompileService
+
+    d, _, tok = smol
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_FST_DISK_CACHE", "0")
+    try:
+        svc = CompileService(d, str(tok), workers=1, memory_budget_bytes=4 << 20)
+        with pytest.raises(CompileMemoryError, match="memory budget of 4 MB"):
+            svc.check("REGEX", r"[^\n]{1,200}", budget_s=30)
+        svc.memory_budget = 2 << 30
+        assert svc.check("REGEX", "(yes|no)", budget_s=30).regex == "(yes|no)"  # a fresh process serves
+        svc.deadline_margin_s = -29.95  # wait 50 ms past nothing: the process is stopped mid-compile
+        with pytest.raises(CompileBudgetError, match="time budget of 30 s.*stopped"):
+            svc.check("REGEX", r'"[^"\\]{0,60}"', budget_s=30)
+        svc.deadline_margin_s = 2.0
+        assert svc.check("REGEX", "(a|b)", budget_s=30).regex == "(a|b)"
+        assert svc.restarts == 2
+        svc.close()
+    finally:
+        mp.undo()

@@ -1,0 +1,178 @@
+"""Constraint (kind + spec) → regex, before the regex is compiled: ``regex``, ``choice``, ``json``
+(JSON schema, :mod:`.json_schema`) and ``json_object``. Input sizes are checked first, in linear time
+(:mod:`.limits`); the conversion itself is bounded by the same limits and a deadline.
+
+Kinds are the names of vLLM's ``StructuredOutputOptions`` (``"REGEX"``, ``"CHOICE"``, ``"JSON"``,
+``"JSON_OBJECT"``, ``"GRAMMAR"``, ``"STRUCTURAL_TAG"``); this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any, Iterable
+
+from ..errors import InvalidConstraintError
+from .limits import InputLimits, check_choices, check_regex, check_schema_obj, check_schema_text
+from .regex_parse import escape_literal
+
+__all__ = [
+    "SUPPORTED_TEXT",
+    "JSON_OBJECT_SCHEMA",
+    "FST_KINDS",
+    "choice_to_regex",
+    "check_input_limits",
+    "json_schema_to_regex",
+    "constraint_to_regex",
+]
+
+SUPPORTED_TEXT = (
+    "the 'fst' structured-output backend supports: regex, choice, json (JSON schema, also "
+    "response_format json_schema) and json_object"
+)
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+#: Kinds fst expresses itself (the others go to the fallback backend, ``vllm/fallback.py``).
+FST_KINDS = frozenset({"REGEX", "CHOICE", "JSON", "JSON_OBJECT"})
+
+
+def _kind_name(kind: Any) -> str:
+    return getattr(kind, "name", str(kind)).upper()
+
+
+def choice_to_regex(choices: Iterable[Any]) -> str:
+    """``["a", "b"]`` → ``(a|b)``, each choice escaped (:func:`.regex_parse.escape_literal`).
+
+    Raises:
+        InvalidConstraintError: empty list.
+    """
+    items = [escape_literal(str(c)) for c in choices]
+    if not items:
+        raise InvalidConstraintError("choice must be a non-empty list")
+    return "(" + "|".join(items) + ")"
+
+
+def check_input_limits(kind: Any, spec: Any, limits: InputLimits | None = None) -> None:
+    """Linear-time size checks of a constraint (:mod:`.limits`) before any conversion or compile.
+    ``GRAMMAR`` / ``STRUCTURAL_TAG`` are not fst's (the fallback backend and vLLM check them).
+
+    Raises:
+        InputTooLargeError: over a limit (the message names it, its variable and the size).
+        InvalidOptionError: a malformed ``VLLM_FST_MAX_*`` variable (``limits`` None).
+    """
+    limits = limits if limits is not None else InputLimits.from_env()
+    name = _kind_name(kind)
+    if name == "REGEX" and isinstance(spec, str):
+        check_regex(spec, limits)
+    elif name == "JSON" and spec is not None:
+        if isinstance(spec, str):
+            check_schema_text(spec, limits)
+        else:
+            check_schema_obj(spec, limits)
+    elif name == "CHOICE":
+        if isinstance(spec, str):
+            check_schema_text(spec, limits)  # the JSON text of the list: length first
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError:
+                return
+        if isinstance(spec, (list, tuple)):
+            check_choices(spec, limits)
+
+
+class _RegexLRU:
+    """Schema text → regex, at most ``max_entries`` (each bounded by ``max_regex_chars``)."""
+
+    def __init__(self, max_entries: int = 64):
+        self.max_entries = max_entries
+        self._data: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            v = self._data.get(key)
+            if v is not None:
+                self._data.move_to_end(key)
+            return v
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.max_entries:
+                self._data.popitem(last=False)
+
+
+_SCHEMA_REGEXES = _RegexLRU()
+
+
+def json_schema_to_regex(schema: str | dict | bool, whitespace_pattern: str | None = None, *,
+                         limits: InputLimits | None = None, deadline: float | None = None) -> str:
+    """JSON schema (text or parsed) → regex, keys in the schema's order, every keyword enforced
+    exactly or refused (:func:`.json_schema.json_schema_to_regex`). Cached per process by the schema
+    text (64 entries).
+
+    Raises:
+        InvalidConstraintError: not JSON, not an object or boolean.
+        InvalidSchemaError: a malformed schema.
+        UnsupportedSchemaError: a keyword fst cannot enforce exactly (``regular=False``: not a regular
+            language at all); the fallback backend may serve it.
+        InputTooLargeError / CompileBudgetError: the input limits, the regex size, the deadline.
+    """
+    from .json_schema import json_schema_to_regex as convert
+
+    limits = limits if limits is not None else InputLimits.from_env()
+    if isinstance(schema, str):
+        check_schema_text(schema, limits)
+        text = schema
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidConstraintError(f"invalid JSON schema (not valid JSON: {e})") from None
+    else:
+        parsed = schema
+        text = json.dumps(schema, ensure_ascii=False)
+    if not isinstance(parsed, (dict, bool)):
+        raise InvalidConstraintError("invalid JSON schema: must be a JSON object or a boolean")
+    key = (text, whitespace_pattern, limits)
+    got = _SCHEMA_REGEXES.get(key)
+    if got is None:
+        got = convert(parsed, whitespace_pattern, limits=limits, deadline=deadline)
+        _SCHEMA_REGEXES.put(key, got)
+    return got
+
+
+def constraint_to_regex(kind: Any, spec: Any, whitespace_pattern: str | None = None, *,
+                        limits: InputLimits | None = None, deadline: float | None = None) -> str:
+    """Regex of a constraint: ``kind`` is a ``StructuredOutputOptions`` member or its name, ``spec`` the
+    grammar spec (REGEX: the regex; CHOICE: a list or its JSON text; JSON: schema dict or text;
+    JSON_OBJECT: ignored). Sizes are checked first (:func:`check_input_limits`).
+
+    Raises:
+        InvalidConstraintError: grammar / structural_tag, a non-string regex, an empty or malformed choice
+            list, a schema that is not JSON.
+        InputTooLargeError, InvalidSchemaError, UnsupportedSchemaError, CompileBudgetError: see
+            :func:`json_schema_to_regex`.
+    """
+    limits = limits if limits is not None else InputLimits.from_env()
+    name = _kind_name(kind)
+    if name not in FST_KINDS:
+        what = name.lower()
+        raise InvalidConstraintError(f"structured_outputs.{what} is not supported: {SUPPORTED_TEXT}")
+    check_input_limits(name, spec, limits)
+    if name == "REGEX":
+        if not isinstance(spec, str):
+            raise InvalidConstraintError("regex must be a string")
+        return spec
+    if name == "CHOICE":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError:
+                raise InvalidConstraintError("choice must be a list of strings") from None
+        if not isinstance(spec, (list, tuple)):
+            raise InvalidConstraintError("choice must be a list of strings")
+        return choice_to_regex(spec)
+    if name == "JSON":
+        return json_schema_to_regex(spec, whitespace_pattern, limits=limits, deadline=deadline)
+    return json_schema_to_regex(JSON_OBJECT_SCHEMA, whitespace_pattern, limits=limits, deadline=deadline)

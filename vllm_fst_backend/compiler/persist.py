@@ -1,0 +1,251 @@
+"""Compiled automata on disk, shared by the processes of one host: compile once per constraint per host.
+
+In a vLLM server one constraint is needed by several processes: the API server's compile check (an
+isolated compile process, :mod:`.service`), the engine core (``StructuredOutputManager`` compiles the
+grammar) and, with forced-token jumps, every worker (the proposer keeps its own matcher). Compiling
+in each costs the same 0.1-3 s every time; loading a stored automaton costs about a millisecond. The
+first process that compiles a constraint writes it here; the others load it.
+
+Format: one file per constraint, ``<key>.pkl``, a pickle (protocol 5) of the
+:class:`~.compiled.CompiledAutomaton` with the per-tokenizer canonical helper left out (it is rebuilt
+once per process from the artifacts, :func:`.canonical_product.canonical_helper`) and locks recreated.
+The key is the SHA-256 of (format version, the compiler's source code, the tokenizer fingerprint,
+regex, :class:`~.options.CompileOptions`): a changed compiler or tokenizer never loads an old file.
+Files are written atomically (temporary file + rename). The directory is created with mode 0700 and
+only files in a directory owned by the current user are loaded (pickle trusts its input).
+
+Bounded in bytes: ``max_bytes`` (``$VLLM_FST_DISK_CACHE_BYTES``, default 1 GiB); a write that makes the
+directory larger deletes the least recently used files (by modification time; a load touches its file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidOptionError
+
+__all__ = ["DiskCache", "default_cache_dir", "disk_cache_from_env", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+_LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
+_SOURCE_HASH: str | None = None
+
+
+def _source_hash() -> str:
+    """SHA-256 of the compiler's and artifacts' Python sources (computed once per process)."""
+    global _SOURCE_HASH
+    if _SOURCE_HASH is None:
+        h = hashlib.sha256()
+        pkg = Path(__file__).resolve().parent.parent
+        for sub in ("compiler", "artifacts"):
+            for p in sorted((pkg / sub).glob("*.py")):
+                h.update(p.name.encode())
+                h.update(p.read_bytes())
+        _SOURCE_HASH = h.hexdigest()
+    return _SOURCE_HASH
+
+
+def default_cache_dir() -> Path:
+    """``$VLLM_FST_DISK_CACHE_DIR``, else ``/dev/shm/vllm_fst_cache-<uid>`` (memory-backed, shared by the
+    host's processes) when ``/dev/shm`` is writable, else ``<tmp>/vllm_fst_cache-<uid>``."""
+    env = os.environ.get("VLLM_FST_DISK_CACHE_DIR", "").strip()
+    if env:
+        return Path(env).expanduser()
+    name = f"vllm_fst_cache-{os.getuid()}"
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / name
+    return Path(tempfile.gettempdir()) / name
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, f, helper_type):
+        super().__init__(f, protocol=5)
+        self._helper_type = helper_type
+
+    def persistent_id(self, obj):
+        if self._helper_type is not None and isinstance(obj, self._helper_type):
+            return "canon_helper"
+        if isinstance(obj, _LOCK_TYPES):
+            return "rlock" if isinstance(obj, _LOCK_TYPES[1]) else "lock"
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, f, artifacts):
+        super().__init__(f)
+        self._artifacts = artifacts
+
+    def persistent_load(self, pid):
+        if pid == "lock":
+            return threading.Lock()
+        if pid == "rlock":
+            return threading.RLock()
+        if pid == "canon_helper":
+            from .canonical_product import canonical_helper
+            from .token_trie import trie_for
+
+            return canonical_helper(self._artifacts, trie_for(self._artifacts))
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def dumps(compiled: Any) -> bytes:
+    """Serialize a :class:`~.compiled.CompiledAutomaton` (without the per-tokenizer helper)."""
+    from .canonical_product import CanonHelper
+
+    buf = io.BytesIO()
+    _Pickler(buf, CanonHelper).dump(compiled)
+    return buf.getvalue()
+
+
+def loads(data: bytes, artifacts: Any) -> Any:
+    """Inverse of :func:`dumps`; the canonical helper is that of ``artifacts`` (built once per process)."""
+    return _Unpickler(io.BytesIO(data), artifacts).load()
+
+
+class DiskCache:
+    """Host-shared store of compiled automata (module docstring).
+
+    Args:
+        directory: where the files live (created with mode 0700).
+        max_bytes: total size budget in bytes.
+
+    Methods never raise on I/O problems (a cache that cannot be read or written is a miss, logged by
+    the caller through the ``errors`` counter).
+    """
+
+    def __init__(self, directory: str | os.PathLike, max_bytes: int = 1 << 30):
+        self.directory = Path(directory)
+        self.max_bytes = int(max_bytes)
+        self.errors = 0
+
+    def key(self, regex: str, options: Any, artifacts: Any) -> str:
+        """File stem for ``(regex, options)`` under the tokenizer of ``artifacts``."""
+        h = hashlib.sha256()
+        for part in (str(FORMAT_VERSION), _source_hash(), str(artifacts.fingerprint), repr(options)):
+            h.update(part.encode())
+            h.update(b"\0")
+        h.update(regex.encode("utf-8", "surrogatepass"))
+        return h.hexdigest()[:40]
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.pkl"
+
+    def _dir_ok(self) -> bool:
+        try:
+            st = self.directory.stat()
+        except FileNotFoundError:
+            return False
+        return st.st_uid == os.getuid() and not (st.st_mode & 0o022)
+
+    def load(self, key: str, artifacts: Any) -> Any:
+        """The stored automaton of ``key`` or None."""
+        p = self._path(key)
+        if not self._dir_ok():
+            return None
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self.errors += 1
+            return None
+        try:
+            out = loads(data, artifacts)
+        except Exception:
+            self.errors += 1
+            return None
+        try:
+            os.utime(p)
+        except OSError:
+            pass
+        return out
+
+    def store(self, key: str, compiled: Any) -> int:
+        """Write ``compiled`` under ``key`` (atomically); returns the bytes written (0 on failure or
+        when the file alone exceeds the budget)."""
+        try:
+            data = dumps(compiled)
+        except Exception:
+            self.errors += 1
+            return 0
+        if len(data) > self.max_bytes:
+            return 0
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not self._dir_ok():
+                return 0
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".pkl")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, self._path(key))
+        except OSError:
+            self.errors += 1
+            return 0
+        self._evict()
+        return len(data)
+
+    def _evict(self) -> None:
+        try:
+            entries = []
+            for p in self.directory.glob("*.pkl"):
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((st.st_mtime, st.st_size, p))
+            total = sum(e[1] for e in entries)
+            if total <= self.max_bytes:
+                return
+            for _, size, p in sorted(entries, key=lambda e: e[0]):
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+                total -= size
+                if total <= self.max_bytes:
+                    break
+            # leftovers of writers that died between mkstemp and rename
+            for p in self.directory.glob(".tmp-*.pkl"):
+                try:
+                    if time.time() - p.stat().st_mtime > 600:
+                        p.unlink()
+                except FileNotFoundError:
+                    pass
+        except OSError:
+            self.errors += 1
+
+    def nbytes(self) -> int:
+        """Bytes currently stored."""
+        try:
+            return sum(p.stat().st_size for p in self.directory.glob("*.pkl"))
+        except OSError:
+            return 0
+
+
+def disk_cache_from_env() -> DiskCache | None:
+    """The served :class:`DiskCache` (``$VLLM_FST_DISK_CACHE``: ``1`` (default) or ``0`` to disable;
+    ``$VLLM_FST_DISK_CACHE_DIR``; ``$VLLM_FST_DISK_CACHE_BYTES``, default 1 GiB), or None when disabled.
+
+    Raises:
+        InvalidOptionError: a malformed variable.
+    """
+    flag = os.environ.get("VLLM_FST_DISK_CACHE", "1").strip().lower()
+    if flag in ("0", "false", "no", "off"):
+        return None
+    raw = os.environ.get("VLLM_FST_DISK_CACHE_BYTES", "").strip()
+    try:
+        max_bytes = int(raw) if raw else 1 << 30
+    except ValueError:
+        max_bytes = -1
+    if max_bytes <= 0:
+        raise InvalidOptionError(f"VLLM_FST_DISK_CACHE_BYTES must be a positive number of bytes, got {raw!r}")
+    return DiskCache(default_cache_dir(), max_bytes)

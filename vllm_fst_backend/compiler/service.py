@@ -1,0 +1,379 @@
+"""The isolated compile process: constraint → regex → compiled automaton, bounded in time and memory,
+outside the process that asks for it.
+
+Why: an API server must not compile on its event loop (nothing else is answered meanwhile) nor in a
+thread of its own (the compile holds the GIL for most of its time), and no single request may exhaust
+the server's memory. :class:`CompileService` keeps ``workers`` child processes
+(``python -m vllm_fst_backend.compiler.service``; no vLLM import, no ``multiprocessing`` main-module
+re-import) that load the tokenizer artifacts and the compiler's per-tokenizer tables once, then serve
+requests one at a time each:
+
+* the parent waits on the child's pipe with ``select`` (no GIL held), at most the time budget plus a
+  margin (``deadline_margin_s``); a child still busy then is killed and the request fails with
+  :class:`~vllm_fst_backend.errors.CompileBudgetError` naming the budget (the compiler checks its own
+  deadline in every long loop, so this only catches stages that cannot be interrupted);
+* the child's resident memory is sampled every 20 ms; over its resident size at start-up plus
+  ``memory_budget_bytes`` it is killed and the request fails with
+  :class:`~vllm_fst_backend.errors.CompileMemoryError` naming the budget and ``VLLM_FST_COMPILE_MEMORY_MB``;
+* a killed or crashed child is replaced by a fresh one (the next request waits for its start-up);
+* the automaton is written to the host-shared :class:`~.persist.DiskCache`, where the engine core and
+  the workers load it instead of compiling again.
+
+Wire format (both directions): 8-byte little-endian length + pickle. Request: dict with ``kind``,
+``spec``, ``whitespace_pattern``, ``options`` (:class:`~.options.CompileOptions`), ``budget_s``.
+Reply: ``("ok", regex, compile_ms, cache_hit)`` or ``("err", class name, message, attributes)``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from .. import errors as _errors
+from ..errors import CompileBudgetError, CompileMemoryError, CompileServiceError
+
+__all__ = ["CompileService", "memory_budget_from_env", "CheckResult"]
+
+_LEN = struct.Struct("<Q")
+_POLL_S = 0.02
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def memory_budget_from_env() -> int:
+    """``$VLLM_FST_COMPILE_MEMORY_MB`` in bytes (default 768 MB per constraint).
+
+    Raises:
+        InvalidOptionError: not a positive number.
+    """
+    raw = os.environ.get("VLLM_FST_COMPILE_MEMORY_MB", "").strip()
+    try:
+        mb = float(raw) if raw else 768.0
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise _errors.InvalidOptionError(f"VLLM_FST_COMPILE_MEMORY_MB must be a positive number, got {raw!r}")
+    return int(mb * (1 << 20))
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _send(fh, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    fh.write(_LEN.pack(len(data)))
+    fh.write(data)
+    fh.flush()
+
+
+def _recv_exact(fh, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = fh.read(n - len(buf))
+        if not chunk:
+            raise EOFError("compile process closed its pipe")
+        buf += chunk
+    return buf
+
+
+def _recv(fh) -> Any:
+    (n,) = _LEN.unpack(_recv_exact(fh, _LEN.size))
+    return pickle.loads(_recv_exact(fh, n))
+
+
+def _error_reply(e: BaseException) -> tuple:
+    attrs = {k: v for k, v in vars(e).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    return ("err", type(e).__name__, str(e), attrs)
+
+
+def _rebuild_error(name: str, message: str, attrs: dict) -> BaseException:
+    cls = getattr(_errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, _errors.FstBackendError)):
+        return CompileServiceError(f"compile process failed: {name}: {message}")
+    e = cls.__new__(cls)
+    Exception.__init__(e, message)
+    for k, v in attrs.items():
+        setattr(e, k, v)
+    return e
+
+
+class CheckResult:
+    """Outcome of one check: ``regex`` (str), ``ms`` (compile wall time in the child, ms; 0 when the
+    automaton was already stored), ``cache_hit`` (bool), ``wait_ms`` (time in the parent incl. queueing)."""
+
+    __slots__ = ("regex", "ms", "cache_hit", "wait_ms")
+
+    def __init__(self, regex: str, ms: float, cache_hit: bool, wait_ms: float):
+        self.regex, self.ms, self.cache_hit, self.wait_ms = regex, ms, cache_hit, wait_ms
+
+
+class _Worker:
+    def __init__(self, cmd: list[str], env: dict, start_timeout_s: float):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=env)
+        self.start_timeout_s = start_timeout_s
+        self.baseline = 0
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
+        msg = self._wait(time.monotonic() + self.start_timeout_s, None, "start")
+        if not (isinstance(msg, tuple) and msg and msg[0] == "ready"):
+            self.kill()
+            raise CompileServiceError(f"compile process did not start: {msg!r}")
+        self.baseline = _rss_bytes(self.proc.pid)
+        self.ready = True
+
+    def _wait(self, deadline: float, mem_limit: int | None, what: str) -> Any:
+        out = self.proc.stdout
+        fd = out.fileno()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise TimeoutError(what)
+            r, _, _ = select.select([fd], [], [], min(_POLL_S, left))
+            if r:
+                try:
+                    return _recv(out)
+                except (EOFError, OSError, pickle.UnpicklingError) as e:
+                    rc = self.proc.poll()
+                    self.kill()
+                    raise CompileServiceError(f"compile process died during {what} (exit {rc}): {e}") from None
+            if mem_limit is not None and _rss_bytes(self.proc.pid) > mem_limit:
+                self.kill()
+                raise MemoryError(what)
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                self.kill()
+                raise CompileServiceError(f"compile process exited during {what} (exit {rc})")
+
+    def request(self, req: dict, timeout_s: float, memory_budget: int) -> Any:
+        try:
+            _send(self.proc.stdin, req)
+        except (BrokenPipeError, OSError) as e:
+            self.kill()
+            raise CompileServiceError(f"compile process unavailable: {e}") from None
+        return self._wait(time.monotonic() + timeout_s, self.baseline + memory_budget, "compile")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except Exception:  # pragma: no cover
+            pass
+        for fh in (self.proc.stdin, self.proc.stdout):
+            try:
+                fh.close()
+            except Exception:
+                pass
+
+
+class CompileService:
+    """A pool of isolated compile processes for one tokenizer (module docstring). Thread-safe:
+    :meth:`check` blocks the calling thread (not the GIL) until a process is free and has answered.
+
+    Args:
+        artifacts_dir: the tokenizer artifacts (must exist: the caller builds missing ones first).
+        tokenizer_path: the tokenizer (fingerprint check), or None.
+        workers: number of child processes (``$VLLM_FST_CHECK_WORKERS``, default 2).
+        memory_budget_bytes: per-constraint memory budget (default :func:`memory_budget_from_env`).
+        deadline_margin_s: extra wait past a request's time budget before its process is killed.
+        start_timeout_s: time allowed for a child to load artifacts and prepare (Tekken: ~15 s).
+    """
+
+    def __init__(self, artifacts_dir: str | os.PathLike, tokenizer_path: str | None = None, *, workers: int = 2,
+                 memory_budget_bytes: int | None = None, deadline_margin_s: float = 2.0,
+                 start_timeout_s: float = 120.0):
+        self.artifacts_dir = str(artifacts_dir)
+        self.tokenizer_path = tokenizer_path
+        self.n_workers = max(1, int(workers))
+        self.memory_budget = memory_budget_bytes if memory_budget_bytes is not None else memory_budget_from_env()
+        self.deadline_margin_s = deadline_margin_s
+        self.start_timeout_s = start_timeout_s
+        self._idle: deque[_Worker] = deque()
+        self._n_live = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self.restarts = 0
+
+    def _spawn(self) -> _Worker:
+        cmd = [sys.executable, "-m", "vllm_fst_backend.compiler.service", "--artifacts", self.artifacts_dir]
+        if self.tokenizer_path:
+            cmd += ["--tokenizer", str(self.tokenizer_path)]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return _Worker(cmd, env, self.start_timeout_s)
+
+    def start(self) -> None:
+        """Start the child processes now (they load and prepare in the background)."""
+        with self._cond:
+            while self._n_live < self.n_workers and not self._closed:
+                self._idle.append(self._spawn())
+                self._n_live += 1
+
+    def _acquire(self) -> _Worker:
+        with self._cond:
+            if self._closed:
+                raise CompileServiceError("compile service is closed")
+            while True:
+                if self._idle:
+                    return self._idle.popleft()
+                if self._n_live < self.n_workers:
+                    self._n_live += 1
+                    break
+                self._cond.wait()
+        try:
+            return self._spawn()
+        except Exception as e:
+            with self._cond:
+                self._n_live -= 1
+                self._cond.notify()
+            raise CompileServiceError(f"cannot start the compile process: {e}") from None
+
+    def _release(self, w: _Worker | None) -> None:
+        with self._cond:
+            if w is not None and w.alive() and not self._closed:
+                self._idle.append(w)
+            else:
+                self._n_live -= 1
+                if w is not None:
+                    w.kill()
+            self._cond.notify()
+
+    def check(self, kind: str, spec: Any, *, whitespace_pattern: str | None = None, options: Any = None,
+              budget_s: float = 4.0) -> CheckResult:
+        """Convert and compile a constraint in a child process (storing the automaton in the disk cache).
+
+        Args:
+            kind: ``"REGEX"``, ``"CHOICE"``, ``"JSON"``, ``"JSON_OBJECT"``.
+            spec: the constraint's spec (regex text, choice list, schema dict/text).
+            options: :class:`~.options.CompileOptions` (default: canonical).
+            budget_s: compile time budget in seconds (the child's deadline; the process is killed
+                ``deadline_margin_s`` later).
+
+        Returns:
+            :class:`CheckResult`.
+
+        Raises:
+            Every named error of the conversion and the compiler (rebuilt from the child's reply),
+            CompileBudgetError (killed past the budget), CompileMemoryError (over the memory budget),
+            CompileServiceError (the process could not start or crashed).
+        """
+        from .options import CompileOptions
+
+        t0 = time.monotonic()
+        w = self._acquire()
+        req = dict(kind=kind, spec=spec, whitespace_pattern=whitespace_pattern,
+                   options=options if options is not None else CompileOptions(), budget_s=float(budget_s))
+        try:
+            try:
+                w.wait_ready()
+                reply = w.request(req, budget_s + self.deadline_margin_s, self.memory_budget)
+            except TimeoutError as e:
+                self.restarts += 1
+                if str(e) == "start":
+                    raise CompileServiceError(
+                        f"compile process did not start within {self.start_timeout_s:.0f} s") from None
+                raise CompileBudgetError(
+                    f"compiling the constraint exceeded the time budget of {budget_s:g} s "
+                    "(VLLM_FST_COMPILE_BUDGET_S); the compile process was stopped", None) from None
+            except MemoryError:
+                self.restarts += 1
+                raise CompileMemoryError(
+                    f"compiling the constraint exceeded the memory budget of {self.memory_budget >> 20} MB "
+                    "(VLLM_FST_COMPILE_MEMORY_MB); the compile process was stopped", None) from None
+        except BaseException:
+            self._release(None if not w.alive() else w)
+            raise
+        # a child that kept memory from this request beyond the budget is replaced
+        if _rss_bytes(w.proc.pid) > w.baseline + self.memory_budget:
+            w.kill()
+        self._release(w)
+        if reply[0] == "ok":
+            _, regex, ms, hit = reply
+            return CheckResult(regex, ms, hit, (time.monotonic() - t0) * 1e3)
+        _, name, message, attrs = reply
+        raise _rebuild_error(name, message, attrs)
+
+    def close(self) -> None:
+        """Stop every child process."""
+        with self._cond:
+            self._closed = True
+            idle, self._idle = list(self._idle), deque()
+            self._n_live -= len(idle)
+            self._cond.notify_all()
+        for w in idle:
+            w.kill()
+
+
+# ---- the child process --------------------------------------------------------------------------
+
+
+def _serve(artifacts_dir: str, tokenizer_path: str | None) -> int:
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # stray prints must not corrupt the pipe
+    from ..artifacts.store import load_artifacts
+    from .compile import CompileBudgets, compile_regex, prepare
+    from .constraints import constraint_to_regex
+    from .persist import disk_cache_from_env
+
+    try:
+        artifacts = load_artifacts(artifacts_dir, tokenizer_path=tokenizer_path)
+        prepare(artifacts, canonical=getattr(artifacts, "canonical", None) is not None)
+        disk = disk_cache_from_env()
+    except Exception as e:
+        _send(stdout, ("failed", f"{type(e).__name__}: {e}"))
+        return 1
+    _send(stdout, ("ready",))
+    while True:
+        try:
+            req = _recv(stdin)
+        except EOFError:
+            return 0
+        try:
+            t0 = time.perf_counter()
+            deadline = t0 + req["budget_s"]
+            regex = constraint_to_regex(req["kind"], req["spec"], req["whitespace_pattern"], deadline=deadline)
+            options = req["options"]
+            key = disk.key(regex, options, artifacts) if disk is not None else None
+            hit = bool(disk is not None and disk._path(key).is_file())
+            if not hit:
+                left = max(deadline - time.perf_counter(), 1e-3)
+                compiled = compile_regex(regex, artifacts, options, budgets=CompileBudgets(time_budget_s=left))
+                if disk is not None:
+                    disk.store(key, compiled)
+            reply = ("ok", regex, 0.0 if hit else (time.perf_counter() - t0) * 1e3, hit)
+        except Exception as e:  # every error goes back to the caller, named
+            reply = _error_reply(e)
+        _send(stdout, reply)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="fst isolated compile process (started by CompileService)")
+    ap.add_argument("--artifacts", required=True)
+    ap.add_argument("--tokenizer", default=None)
+    a = ap.parse_args(argv)
+    return _serve(a.artifacts, a.tokenizer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
