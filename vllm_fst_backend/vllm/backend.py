@@ -23,6 +23,33 @@ else:  # pragma: no cover - wrong/missing vLLM: classes still defined, register(
     _GrammarBase = object
 
 
+# Where the engine keeps the built-in backend a request was routed to once vLLM 0.33's one-backend check
+# has made its ``_backend`` "fst" (see :func:`adopt_fallback_route`).
+FALLBACK_ROUTE_ATTR = "_fst_fallback"
+
+
+def routed_backend(params: Any) -> str | None:
+    """The built-in backend that serves a request (``StructuredOutputsParams``), or None for fst: the
+    API server's route (vLLM's own validation of that backend wrote its name into ``_backend``), kept
+    under :data:`FALLBACK_ROUTE_ATTR` once the engine adopted the request (vLLM 0.33)."""
+    name = getattr(params, FALLBACK_ROUTE_ATTR, None) or getattr(params, "_backend", None)
+    return None if name in (None, BACKEND_NAME) else name
+
+
+def adopt_fallback_route(params: Any) -> str | None:
+    """vLLM 0.33 (``StructuredOutputManager.grammar_init``: "only supports one backend per engine")
+    refuses a request whose ``_backend`` differs from the engine's ``backend_name`` ("fst"). A request
+    the API server routed to the fallback carries the built-in backend's name there; it is served by
+    ``FstBackend`` all the same (its :class:`FallbackBackends`), so the engine moves that name to
+    :data:`FALLBACK_ROUTE_ATTR` and sets ``_backend = "fst"``. Engine-side only (the params object is the
+    engine's own copy); idempotent. Returns the fallback's name, or None for an fst request."""
+    name = routed_backend(params)
+    if name is not None:
+        setattr(params, FALLBACK_ROUTE_ATTR, name)
+        params._backend = BACKEND_NAME
+    return name
+
+
 def _set_bit(bitmask: Any, row: int, token: int) -> None:
     w, b = divmod(int(token), 32)
     if w >= bitmask.shape[1]:
@@ -212,17 +239,18 @@ class FstBackend(_BackendBase):
 
     def compile_vllm_request(self, request: Any) -> Any:
         """Grammar for a ``vllm.v1.request.Request``: fst's (options from ``sampling_params.extra_args``),
-        or the fallback backend's when the API server routed it there (``_backend`` is a built-in
-        backend's name) or when fst cannot express it (grammar, structural_tag, an unsupported schema
-        that reached the engine unchecked)."""
+        or the fallback backend's when the API server routed it there (:func:`routed_backend`: a built-in
+        backend's name in ``_backend``, or under :data:`FALLBACK_ROUTE_ATTR` on vLLM 0.33) or when fst
+        cannot express it (grammar, structural_tag, an unsupported schema that reached the engine
+        unchecked)."""
         sp = request.sampling_params
         so_req = request.structured_output_request
         request_type, spec = so_req.structured_output_key
         stop_ids = getattr(sp, "all_stop_token_ids", None)
-        routed = getattr(so_req.params, "_backend", None)
+        routed = routed_backend(so_req.params)
         kind = getattr(request_type, "name", str(request_type))
-        if routed not in (None, BACKEND_NAME) or needs_fallback(kind):
-            name = routed if routed not in (None, BACKEND_NAME) else self.fallback.default_name()
+        if routed is not None or needs_fallback(kind):
+            name = routed if routed is not None else self.fallback.default_name()
             return self.fallback.compile(name, request_type, spec, stop_token_ids=stop_ids)
         try:
             return self.compile_request(
@@ -239,6 +267,10 @@ class FstBackend(_BackendBase):
             return self.fallback.compile(name, request_type, spec, stop_token_ids=stop_ids)
 
     def allocate_token_bitmask(self, max_num_seqs: int):
+        """One row per (request, draft position + bonus): vLLM passes ``max_num_seqs * (1 + K)``; each
+        row is one int32 bit per token of the model's vocabulary. The rows' order is the manager's:
+        0.32 packs ``1 + len(drafts)`` rows per request, 0.33 gives each request a fixed block of
+        ``K + 1`` rows (``mask_stride``); a grammar only ever fills the row it is given."""
         import torch
 
         return torch.full((max_num_seqs, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from . import BACKEND_NAME
 from . import context as _context
 from . import validation
-from .backend import FstBackend
+from .backend import FstBackend, adopt_fallback_route
 from .constraints import legacy_guided_to_structured_outputs
 from .metrics import logger
 from .options import FALSE_WORDS, TRUE_WORDS, env_flag
@@ -30,12 +30,14 @@ def _wrap(owner: Any, attr: str, make: Callable[[Any], Callable]) -> None:
     _PATCHES.append((owner, attr, orig))
 
 
-def _patch_config_literal() -> None:
+def _patch_config_literal(so_mod: Any = None) -> None:
+    """Add "fst" to ``StructuredOutputsBackend`` (``so_mod``: tests pass vLLM 0.33's module, vendored)."""
     import typing
 
     from pydantic.dataclasses import rebuild_dataclass
 
-    import vllm.config.structured_outputs as so_mod
+    if so_mod is None:
+        import vllm.config.structured_outputs as so_mod
 
     cls = so_mod.StructuredOutputsConfig
     current = cls.__dataclass_fields__["backend"].type
@@ -66,8 +68,23 @@ def _patch_sampling_params() -> None:
     _wrap(SamplingParams, "_validate_structured_outputs", make)
 
 
-def _patch_manager() -> None:
-    from vllm.v1.structured_output import StructuredOutputManager
+def _patch_manager(manager_cls: Any = None) -> None:
+    """``StructuredOutputManager`` (``manager_cls``: tests pass vLLM 0.33's class, vendored).
+
+    vLLM 0.33 (guarded by the feature itself: the manager's ``backend_name`` attribute, which 0.32's does
+    not have) allows one backend per engine: ``grammar_init`` raises ``VLLMValidationError`` for a
+    request whose ``_backend`` differs from ``backend_name``, which only vLLM's own backend creation
+    sets. So where we create ``FstBackend`` we set ``backend_name = "fst"``, and ``grammar_init`` first
+    adopts requests the API server routed to the fallback (``backend.adopt_fallback_route``)."""
+    if manager_cls is None:
+        from vllm.v1.structured_output import StructuredOutputManager as manager_cls
+
+    def _install_fst_backend(mgr, vllm_config) -> None:
+        mgr.backend = FstBackend(
+            vllm_config, tokenizer=mgr.tokenizer, vocab_size=vllm_config.model_config.get_vocab_size()
+        )
+        if hasattr(mgr, "backend_name"):  # vLLM 0.33
+            mgr.backend_name = BACKEND_NAME
 
     def make_init(orig):
         def __init__(self, vllm_config, *args, **kwargs):
@@ -80,26 +97,23 @@ def _patch_manager() -> None:
                 and not vllm_config.model_config.skip_tokenizer_init
             ):
                 # Eager: load (or build) the artifacts at engine start-up; fail the start clearly.
-                self.backend = FstBackend(
-                    vllm_config, tokenizer=self.tokenizer, vocab_size=vllm_config.model_config.get_vocab_size()
-                )
+                _install_fst_backend(self, vllm_config)
 
         return __init__
 
     def make_grammar_init(orig):
         def grammar_init(self, request):
-            if (
-                self.backend is None
-                and request.structured_output_request is not None
-                and request.sampling_params is not None
-                and request.sampling_params.structured_outputs is not None
-                and request.sampling_params.structured_outputs._backend == BACKEND_NAME
-            ):
-                self.backend = FstBackend(
-                    self.vllm_config,
-                    tokenizer=self.tokenizer,
-                    vocab_size=self.vllm_config.model_config.get_vocab_size(),
-                )
+            sp = request.sampling_params if request.structured_output_request is not None else None
+            so = sp.structured_outputs if sp is not None else None
+            if so is not None:
+                cfg = getattr(self.vllm_config, "structured_outputs_config", None)
+                one_backend = hasattr(self, "backend_name")  # vLLM 0.33: fst must own the engine
+                if self.backend is None and (
+                    so._backend == BACKEND_NAME or (one_backend and getattr(cfg, "backend", None) == BACKEND_NAME)
+                ):
+                    _install_fst_backend(self, self.vllm_config)  # belt and braces (normally eager)
+                if getattr(self, "backend_name", None) == BACKEND_NAME and isinstance(self.backend, FstBackend):
+                    adopt_fallback_route(so)  # vLLM 0.33: one backend per engine; fst owns the fallback
             return orig(self, request)
 
         return grammar_init
@@ -116,9 +130,9 @@ def _patch_manager() -> None:
 
         return _create_grammar
 
-    _wrap(StructuredOutputManager, "__init__", make_init)
-    _wrap(StructuredOutputManager, "grammar_init", make_grammar_init)
-    _wrap(StructuredOutputManager, "_create_grammar", make_create)
+    _wrap(manager_cls, "__init__", make_init)
+    _wrap(manager_cls, "grammar_init", make_grammar_init)
+    _wrap(manager_cls, "_create_grammar", make_create)
 
 
 def _patch_input_processor() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from vllm_fst_backend.errors import (
     ArtifactError,
+    CompileServiceError,
     FstBackendError,
     InputTooLargeError,
     InvalidOptionError,
@@ -213,7 +214,7 @@ def _compile_budget() -> float:
 
 
 def _raise_compile_error(kind: str, e: BaseException) -> None:
-    if isinstance(e, (ArtifactError, ImportError)):  # server-side: a 500 with the message
+    if isinstance(e, (ArtifactError, CompileServiceError, ImportError)):  # server-side: a 500 with the message
         logger.error("fst: cannot check request constraints: %s", e)
         raise server_error(f"fst backend unavailable: {e}") from None
     raise validation_error(f"fst: cannot compile the {kind.lower()} constraint: {e}", "structured_outputs") from None

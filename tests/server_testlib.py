@@ -1,0 +1,133 @@
+"""A real vLLM CPU server with ``--structured-outputs-config.backend fst`` for the end-to-end test
+modules (``test_vllm_e2e.py``, ``test_stress_e2e.py``): the command line, the environment and the
+readiness wait in one place (the start itself is ``scripts/vllm_server.running_server``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+START_TIMEOUT_S = 900
+PROPOSER_CLASS = "vllm_fst_backend.vllm_plugin.FstForcedTokenProposer"
+
+
+def e2e_opted_out() -> bool:
+    """``VLLM_FST_E2E=0`` opts out of the end-to-end modules."""
+    return os.environ.get("VLLM_FST_E2E", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def stack_problems() -> list[str]:
+    """What is missing for the end-to-end tests (empty when everything is there)."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    problems = []
+    try:
+        importlib.import_module("vllm")
+    except Exception as e:
+        problems.append(f"vLLM is not importable ({e}); run: bash scripts/install.sh")
+    try:
+        comp = importlib.import_module("vllm_fst_backend.compiler")
+        if not hasattr(comp, "compile_regex"):
+            problems.append("vllm_fst_backend.compiler.compile_regex is missing")
+    except Exception as e:
+        problems.append(f"vllm_fst_backend.compiler is not importable ({e})")
+    try:
+        importlib.import_module("vllm_fst_backend.runtime.matcher")
+    except Exception as e:
+        problems.append(f"vllm_fst_backend.runtime.matcher is not importable ({e})")
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "fst"]
+    if not eps:
+        problems.append("the 'fst' vLLM plugin entry point is not installed; run: pip install -e .[cpu,model,test]")
+    elif eps[0].value != "vllm_fst_backend.vllm:register":
+        problems.append(f"the 'fst' entry point points elsewhere: {eps[0].value}")
+    for f in ("model.safetensors", "tokenizer.json", "config.json"):
+        if not (MODEL / f).is_file():
+            problems.append(f"{MODEL / f} is missing; run: python scripts/prepare_smollm2.py")
+    return problems
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def fst_server(artifacts: Path, tmp: Path, *, jump_tokens: int = 0, env: dict | None = None):
+    """Start the server on the canonical ``artifacts`` (``VLLM_FST_AUTO_BUILD=0``: it never builds its
+    own), yield ``SimpleNamespace(base, log, proc, artifacts, model, disk_cache)``; stop it on exit.
+
+    Args:
+        jump_tokens: > 0 starts the forced-token proposer with that many speculative tokens.
+        env: extra environment variables of the server (e.g. ``VLLM_FST_FALLBACK``).
+
+    ``--enforce-eager``: ready in ~35 s instead of ~100-190 s (torch.compile); structured outputs are not
+    affected. ``PROMETHEUS_MULTIPROC_DIR`` is fresh, so ``/metrics`` shows the engine's and workers'
+    counters too; the host disk cache of compiled automata is a fresh directory as well.
+    """
+    problems = stack_problems()
+    assert not problems, "end-to-end stack incomplete:\n" + "\n".join(problems)
+    assert (artifacts / "manifest.json").is_file(), f"no artifacts were built in {artifacts}"
+    from scripts.vllm_server import ServerStartError, running_server
+
+    port = free_port()
+    log_path = tmp / "server.log"
+    prom_dir = tmp / "prometheus"
+    prom_dir.mkdir()
+    disk = tmp / "disk_cache"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(MODEL), "--max-model-len", "2048", "--port", str(port),
+        "--structured-outputs-config.backend", "fst", "--enforce-eager",
+    ]  # fmt: skip
+    if jump_tokens:
+        spec = {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": jump_tokens}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    full_env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="2",
+        HF_HUB_OFFLINE="1",
+        VLLM_FST_ARTIFACTS_DIR=str(artifacts),
+        VLLM_FST_AUTO_BUILD="0",
+        PROMETHEUS_MULTIPROC_DIR=str(prom_dir),
+        VLLM_FST_DISK_CACHE_DIR=str(disk),
+        **(env or {}),
+    )
+    try:
+        with running_server(cmd, port, full_env, log_path, START_TIMEOUT_S, cwd=REPO_ROOT, poll_s=2.0) as (
+            base, ready_s, proc,
+        ):
+            print(f"\nvLLM server ready in {ready_s:.0f} s (port {port}, log {log_path})")
+            yield types.SimpleNamespace(base=base, log=log_path, proc=proc, artifacts=artifacts, model=str(MODEL),
+                                        disk_cache=disk)
+    except ServerStartError as e:
+        pytest.fail(str(e))
+
+
+def group_rss_bytes(pid: int) -> int:
+    """Resident memory of the process ``pid`` and all its descendants (API server, engine core,
+    compile processes), in bytes."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
