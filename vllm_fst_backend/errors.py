@@ -109,3 +109,18 @@ class UnsupportedSchemaError(FstBackendError):
         self.keyword = keyword
         self.pointer = pointer
         self.regular = regular
+
+
+class InvalidSchemaError(FstBackendError):
+    """A JSON schema is malformed: not an object or boolean, a keyword whose value has the wrong type or
+    range (``"minimum": "abc"``, ``"required": 5``, ``"type": "strin"``), or a ``$ref`` that does not
+    resolve. The message says what is wrong and where.
+
+    Attributes: ``keyword`` (e.g. ``"minimum"``) and ``pointer`` (JSON pointer of the schema holding it,
+    e.g. ``"/properties/a"``; ``""`` for the root).
+    """
+
+    def __init__(self, message: str, *, keyword: str = "", pointer: str = ""):
+        super().__init__(message)
+        self.keyword = keyword
+        self.pointer = pointer

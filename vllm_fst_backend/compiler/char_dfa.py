@@ -402,4 +402,61 @@ def build_char_dfa(
                 order.append(t)
     out_trans = [{c: new[t] for c, t in trans[s].items() if alive[t]} for s in order]
     out_final = [final[s] for s in order]
+    if time.perf_counter() > deadline:
+        raise CompileBudgetError("regex compilation exceeded the time budget", None)
+    out_trans, out_final = minimize(out_trans, out_final)
     return CharDFA(classes=classes, trans=out_trans, final=out_final)
+
+
+def minimize(trans: list[dict], final: list[bool]) -> tuple[list[dict], list[bool]]:
+    """The minimal DFA of a trimmed DFA over class ids (OpenFst's ``Minimize`` through pynini: labels
+    are class id + 1), states renumbered in BFS order from the start (state 0).
+
+    Why: subset construction does not merge equivalent states; regexes converted from JSON schemas
+    repeat sub-expressions (strings, numbers, the extra-key part of open objects), and every surplus
+    character state becomes several byte states and token states downstream, each paid for in the
+    token-DFA walk and the dead-end analysis.
+
+    Args:
+        trans: S dicts ``class id -> next state`` (state 0 the start; every state reachable and
+            co-reachable).
+        final: S bools.
+
+    Returns:
+        ``(trans, final)`` of the minimal DFA (same language).
+    """
+    import pynini
+
+    n = len(trans)
+    if n <= 1:
+        return trans, final
+    f = pynini.Fst()
+    f.add_states(n)
+    f.set_start(0)
+    one = pynini.Weight.one(f.weight_type())
+    for s, row in enumerate(trans):
+        for c, t in row.items():
+            f.add_arc(s, pynini.Arc(c + 1, c + 1, one, t))
+        if final[s]:
+            f.set_final(s)
+    f.arcsort("ilabel")  # OpenFst's Minimize merges nothing on a cyclic DFA whose arcs are not sorted
+    f.minimize(allow_nondet=False)
+    start = f.start()
+    new = {start: 0}
+    order = [start]
+    out_trans: list[dict] = []
+    k = 0
+    while k < len(order):
+        s = order[k]
+        k += 1
+        row = {}
+        for arc in f.arcs(s):
+            t = arc.nextstate
+            if t not in new:
+                new[t] = len(order)
+                order.append(t)
+            row[arc.ilabel - 1] = new[t]
+        out_trans.append(row)
+    zero = pynini.Weight.zero(f.weight_type())
+    out_final = [f.final(s) != zero for s in order]
+    return out_trans, out_final

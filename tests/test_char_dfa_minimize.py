@@ -1,0 +1,105 @@
+"""The character DFA is minimal (``char_dfa.minimize``, OpenFst through pynini) and keeps its language.
+
+Oracle for minimality: Moore's partition refinement written out in plain Python on the result (no two
+states equivalent). Oracle for the language: Python's ``re.fullmatch`` on strings sampled from the
+regex and on mutations of them. Corpus: regexes converted from JSON schemas (they repeat
+sub-expressions, where subset construction leaves equivalent states) and hand-written ones.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from vllm_fst_backend.compiler.char_dfa import minimize
+from vllm_fst_backend.compiler.constraints import json_schema_to_regex
+from vllm_fst_backend.compiler.regex_to_bytes import regex_to_char_dfa
+
+SCHEMAS = [
+    {"type": "object"},
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                      "tags": {"type": "array", "items": {"type": "string"}}}},
+    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}, "b": {"type": "integer", "minimum": 0,
+                                                                                      "maximum": 150}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4},
+]
+REGEXES = [json_schema_to_regex(s) for s in SCHEMAS] + [
+    r"(ab|cd)*(ab|ef)", r"[a-z]+( [a-z]+){0,5}", r"(x|y){2,6}z", r"\d{4}-\d{2}-\d{2}", r"(foo|bar|baz)+",
+]
+
+
+def _moore_classes(trans: list[dict], final: list[bool]) -> int:
+    """Number of Myhill-Nerode classes of a DFA given as class-id dicts (plain Moore refinement)."""
+    block = [1 if f else 0 for f in final]
+    n_blocks = len(set(block))
+    while True:
+        sigs = {}
+        new = []
+        for s, row in enumerate(trans):
+            sig = (block[s], tuple(sorted((c, block[t]) for c, t in row.items())))
+            new.append(sigs.setdefault(sig, len(sigs)))
+        if len(sigs) == n_blocks:
+            return n_blocks
+        block, n_blocks = new, len(sigs)
+
+
+def _samples(regex: str, dfa, n: int, rnd: random.Random) -> list[str]:
+    """Random walks of the DFA (one character per class, ending where a walk may stop) and mutations."""
+    out = []
+    for _ in range(n):
+        s, text = 0, []
+        for _ in range(rnd.randint(0, 60)):
+            if dfa.final[s] and rnd.random() < 0.15:
+                break
+            row = dfa.trans[s]
+            if not row:
+                break
+            c = rnd.choice(sorted(row))
+            lo, hi = rnd.choice(dfa.classes[c])
+            text.append(chr(rnd.randint(lo, min(hi, lo + 300))))
+            s = row[c]
+        t = "".join(text)
+        out.append(t)
+        if t:
+            i = rnd.randrange(len(t))
+            out.append(t[:i] + t[i + 1:])
+            out.append(t[:i] + rnd.choice('a1" {}[],:') + t[i:])
+    return out
+
+
+@pytest.mark.parametrize("regex", REGEXES, ids=[f"rx{i}" for i in range(len(REGEXES))])
+def test_char_dfa_is_minimal_and_keeps_the_language(regex):
+    dfa = regex_to_char_dfa(regex, max_states=100_000)
+    assert _moore_classes(dfa.trans, dfa.final) == dfa.num_states  # no two states equivalent
+    rnd = random.Random(7)
+    for text in _samples(regex, dfa, 150, rnd):
+        assert dfa.accepts(text) == (re.fullmatch(regex, text) is not None), (regex, text)
+
+
+def test_minimize_merges_equivalent_states():
+    # (a|b)c written with two copies of the "c" state; the minimal DFA has 3 states
+    trans = [{0: 1, 1: 2}, {2: 3}, {2: 4}, {}, {}]
+    final = [False, False, False, True, True]
+    t2, f2 = minimize(trans, final)
+    assert len(t2) == 3 and f2 == [False, False, True]
+    assert t2[0] == {0: 1, 1: 1} and t2[1] == {2: 2}
+
+
+def test_json_schema_regexes_lose_states():
+    """The JSON-object regex of ``response_format: json_object`` has equivalent states before
+    minimization (measured 487 -> 278 at the time of writing); assert a real reduction, computed with
+    the plain-Python oracle on the unminimized subset construction."""
+    import vllm_fst_backend.compiler.char_dfa as cd
+
+    rx = json_schema_to_regex({"type": "object"})
+    orig = cd.minimize
+    try:
+        cd.minimize = lambda trans, final: (trans, final)
+        raw = regex_to_char_dfa(rx, max_states=100_000)
+    finally:
+        cd.minimize = orig
+    small = regex_to_char_dfa(rx, max_states=100_000)
+    assert small.num_states == _moore_classes(raw.trans, raw.final) < raw.num_states

@@ -1,0 +1,958 @@
+"""compiler/json_schema.py: JSON Schema → regex, exact or refusing.
+
+The judge is ``jsonschema`` (Draft202012Validator with a FormatChecker) and, for the official JSON
+Schema Test Suite (vendored in tests/data/json_schema_test_suite, MIT), the suite's own verdicts. The core
+property checked everywhere: **never a larger language** -- every string a converted regex accepts
+parses as JSON and is valid (strings are sampled *from the regex itself* and validated); plus the
+documented smaller-language choices do not reject the natural serializations (compact, keys in schema
+order).
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import random
+import re
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from vllm_fst_backend.compiler.json_schema import escape_literal, json_schema_to_regex
+from vllm_fst_backend.compiler.limits import InputLimits
+from vllm_fst_backend.compiler.regex_parse import estimate_positions, parse_regex
+from vllm_fst_backend.errors import (
+    CompileBudgetError,
+    EmptyLanguageError,
+    FstBackendError,
+    InputTooLargeError,
+    InvalidOptionError,
+    InvalidSchemaError,
+    UnsupportedSchemaError,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "tests" / "data" / "json_schema_test_suite" / "draft2020-12"
+NAMED = (UnsupportedSchemaError, InvalidSchemaError, EmptyLanguageError, InputTooLargeError, CompileBudgetError)
+
+
+def compact(v) -> str:
+    return json.dumps(v, separators=(",", ":"), ensure_ascii=False)
+
+
+def validator(schema):
+    # the draft's own checker: FormatChecker() would also check "time" with draft 3's meaning (no offset)
+    return Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+
+
+def is_valid_text(schema, text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return validator(schema).is_valid(value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling strings from a regex (parse_regex tree): the "never larger" oracle
+# ------------------------------------------------------------------------------------------------
+
+_POOL = [chr(c) for c in range(0x20, 0x7F)] + list("\x00\x01\x1f\t\n\r\x7féßЖ中😀\u2028\u00a0٣")
+
+
+def _sample(node, rnd: random.Random, out: list, budget: list) -> None:
+    kind = node[0]
+    if kind == "sym":
+        chars, negated = node[1]
+        if negated:
+            pool = [c for c in _POOL if c not in chars]
+            out.append(rnd.choice(pool))
+        else:
+            out.append(rnd.choice(sorted(chars)))
+    elif kind == "cat":
+        for c in node[1]:
+            _sample(c, rnd, out, budget)
+    elif kind == "alt":
+        _sample(rnd.choice(node[1]), rnd, out, budget)
+    elif kind == "rep":
+        lo, hi = node[2], node[3]
+        budget[0] -= 1
+        cap = lo + (3 if budget[0] > 0 else 0)
+        n = rnd.randint(lo, cap if hi is None else min(hi, cap))
+        for _ in range(n):
+            _sample(node[1], rnd, out, budget)
+
+
+def sample(regex: str, n: int, seed: int = 0) -> list[str]:
+    tree = parse_regex(regex, max_positions=10**6)
+    rnd = random.Random(seed)
+    res = []
+    for _ in range(n):
+        out: list[str] = []
+        _sample(tree, rnd, out, [60])
+        res.append("".join(out))
+    return res
+
+
+def mutate(text: str, rnd: random.Random) -> str:
+    i = rnd.randrange(len(text) + 1)
+    op = rnd.random()
+    ch = rnd.choice('0123456789",:{}[]-.eE aztrufnl\\')
+    if op < 0.35 and text:
+        return text[:i] + text[i + 1:]
+    if op < 0.7:
+        return text[:i] + ch + text[i:]
+    return text[:i] + ch + text[i + 1:]
+
+
+def assert_never_larger(schema, n: int = 150, seed: int = 0, rx: str | None = None) -> str:
+    """Every sampled string of the regex (and every mutation it still accepts) is valid."""
+    rx = json_schema_to_regex(schema) if rx is None else rx
+    parse_regex(rx, max_positions=10**6)
+    c = re.compile(rx)
+    rnd = random.Random(seed)
+    for s in sample(rx, n, seed):
+        assert c.fullmatch(s), (rx, s)
+        assert is_valid_text(schema, s), f"regex accepts invalid {s!r} for {schema}"
+        for _ in range(3):
+            m = mutate(s, rnd)
+            if c.fullmatch(m):
+                assert is_valid_text(schema, m), f"regex accepts invalid mutation {m!r} for {schema}"
+    return rx
+
+
+def accepts(schema, value, **kw) -> bool:
+    return re.fullmatch(json_schema_to_regex(schema, **kw), compact(value)) is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# Property order, optional / required
+# ------------------------------------------------------------------------------------------------
+
+_VALUES = {"string": ["x", 3], "integer": [7, "7"], "boolean": [True, None]}
+
+
+@pytest.mark.parametrize("required", [[], ["mid"], ["zeta", "beta"], ["alpha"], ["zeta", "alpha", "mid", "beta"]])
+@pytest.mark.parametrize("closed", [True, False])
+def test_property_order_and_optional_required_brute_force(required, closed):
+    types = {"zeta": "string", "alpha": "integer", "mid": "boolean", "beta": "string"}
+    schema = {"type": "object", "properties": {k: {"type": t} for k, t in types.items()}, "required": required}
+    if closed:
+        schema["additionalProperties"] = False
+    rx = re.compile(json_schema_to_regex(schema))
+    order = list(types)
+    v = validator(schema)
+    n_ok = 0
+    for r in range(len(order) + 1):
+        for keys in itertools.permutations(order, r):
+            for choice in itertools.product(*[range(2) for _ in keys]):
+                inst = {k: _VALUES[types[k]][c] for k, c in zip(keys, choice)}
+                text = compact(inst)
+                in_order = [k for k in order if k in keys] == list(keys)
+                expected = v.is_valid(inst) and in_order
+                assert bool(rx.fullmatch(text)) == expected, (schema, text)
+                n_ok += expected
+    assert n_ok > 0
+    if not closed:  # extra keys after the declared ones (scalar values), never a declared name again
+        base = {k: _VALUES[types[k]][0] for k in order}
+        assert rx.fullmatch(compact({**base, "extra": 1, "more": "y"}))
+        assert not rx.fullmatch(compact({**base, "zeta": "x"}).replace("}", ',"zeta":"y"}'))
+        assert not rx.fullmatch(compact({"extra": 1, **base}))  # extras come last
+
+
+def test_nested_property_order_and_default_serialization():
+    inner = {"type": "object", "properties": {"y": {"type": "integer"}, "b": {"type": "string"}},
+             "required": ["y", "b"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"z": inner, "a": {"type": "array", "items": inner}},
+              "required": ["z", "a"], "additionalProperties": False}
+    rx = json_schema_to_regex(schema)
+    good = {"z": {"y": 1, "b": "q"}, "a": [{"y": 2, "b": "r"}, {"y": 3, "b": ""}]}
+    assert re.fullmatch(rx, compact(good))
+    assert re.fullmatch(rx, json.dumps(good))  # json.dumps' default ", " and ": " separators
+    swapped = {"z": {"b": "q", "y": 1}, "a": []}
+    assert not re.fullmatch(rx, compact(swapped))
+    assert not re.fullmatch(rx, compact({"a": [], "z": {"y": 1, "b": "q"}}))
+    assert_never_larger(schema)
+
+
+def test_many_optional_properties_stay_small_and_flat():
+    props = {f"p{i:02d}": {"type": "object", "properties": {f"q{j}": {"type": "integer"} for j in range(6)},
+                           "additionalProperties": False} for i in range(24)}
+    schema = {"type": "object", "properties": props, "additionalProperties": False}
+    rx = json_schema_to_regex(schema)
+    parse_regex(rx, max_positions=10**6)  # group nesting within regex_parse.MAX_GROUP_DEPTH
+    one = sum(len(json_schema_to_regex(p)) for p in props.values())
+    assert len(rx) < 8 * one  # each optional member repeated a bounded number of times
+    c = re.compile(rx)
+    assert c.fullmatch("{}") and c.fullmatch('{"p23":{}}') and c.fullmatch('{"p00":{"q5":1},"p07":{}}')
+    assert not c.fullmatch('{"p07":{},"p00":{}}')
+    assert_never_larger(schema, n=60)
+
+
+def test_required_names_not_in_properties_and_false_properties():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "gone": False}, "required": ["z"],
+              "additionalProperties": {"type": "string"}}
+    rx = assert_never_larger(schema)
+    assert re.fullmatch(rx, '{"a":1,"z":"s"}') and re.fullmatch(rx, '{"z":"s","k":"v"}')
+    assert not re.fullmatch(rx, '{"z":"s","gone":"v"}') and not re.fullmatch(rx, '{"a":1}')
+    with pytest.raises(EmptyLanguageError):
+        json_schema_to_regex({"type": "object", "required": ["z"], "additionalProperties": False})
+
+
+def test_extra_keys_complement_of_declared_names():
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "nab": {"type": "integer"}},
+              "additionalProperties": {"type": "boolean"}}
+    c = re.compile(json_schema_to_regex(schema))
+    for key, ok in [("x", True), ("", True), ("n", True), ("na", True), ("nam", True), ("nax", True),
+                    ("name", False), ("nab", False), ("names", False), ("namx", False), ("zz", True)]:
+        assert bool(c.fullmatch(compact({key: True}))) == ok, key
+    assert not c.fullmatch(r'{"n\u0061me":true}')  # an escaped spelling of a declared name
+    assert_never_larger(schema)
+
+
+# ------------------------------------------------------------------------------------------------
+# Integer and number bounds
+# ------------------------------------------------------------------------------------------------
+
+
+def _int_schema(lo, hi, lo_kw="minimum", hi_kw="maximum", **more):
+    s = {"type": "integer", **more}
+    if lo is not None:
+        s[lo_kw] = lo
+    if hi is not None:
+        s[hi_kw] = hi
+    return s
+
+
+def _int_ok(v, s) -> bool:
+    return (("minimum" not in s or v >= s["minimum"]) and ("maximum" not in s or v <= s["maximum"])
+            and ("exclusiveMinimum" not in s or v > s["exclusiveMinimum"])
+            and ("exclusiveMaximum" not in s or v < s["exclusiveMaximum"])
+            and ("multipleOf" not in s or v % s["multipleOf"] == 0))
+
+
+def test_integer_ranges_exhaustive_small():
+    for lo in range(-25, 26, 3):
+        for hi in [None, *range(lo, lo + 140, 9)]:
+            for kws in (("minimum", "maximum"), ("exclusiveMinimum", "exclusiveMaximum")):
+                s = _int_schema(lo, hi, *kws)
+                try:
+                    c = re.compile(json_schema_to_regex(s))
+                except EmptyLanguageError:
+                    assert not any(_int_ok(v, s) for v in range(lo - 2, lo + 3))
+                    continue
+                for v in range(lo - 30, (hi if hi is not None else lo) + 130):
+                    assert bool(c.fullmatch(str(v))) == _int_ok(v, s), (s, v)
+    for hi in range(-40, 41, 7):  # one-sided from above
+        c = re.compile(json_schema_to_regex(_int_schema(None, hi)))
+        for v in range(-300, 300):
+            assert bool(c.fullmatch(str(v))) == (v <= hi)
+
+
+@pytest.mark.parametrize("m", [2, 5, 10])
+def test_integer_multiple_of_with_bounds(m):
+    for lo, hi in [(-37, 52), (0, 1000), (7, None), (None, -3), (None, None)]:
+        s = _int_schema(lo, hi, multipleOf=m)
+        c = re.compile(json_schema_to_regex(s))
+        for v in range(-1200, 1200):
+            assert bool(c.fullmatch(str(v))) == _int_ok(v, s), (s, v)
+
+
+def test_integer_ranges_random_large():
+    rnd = random.Random(7)
+    for _ in range(400):
+        lo = rnd.randint(-10 ** rnd.randint(0, 22), 10 ** rnd.randint(0, 22))
+        hi = lo + rnd.randint(0, 10 ** rnd.randint(0, 22))
+        kind = rnd.random()
+        lo_kw = rnd.choice(["minimum", "exclusiveMinimum"])
+        hi_kw = rnd.choice(["maximum", "exclusiveMaximum"])
+        s = _int_schema(None if kind < 0.15 else lo, None if 0.15 <= kind < 0.3 else hi, lo_kw, hi_kw)
+        try:
+            c = re.compile(json_schema_to_regex(s))
+        except EmptyLanguageError:
+            assert hi - lo <= 1
+            continue
+        for _ in range(40):
+            base = rnd.choice([lo, hi, 0])
+            v = base + rnd.randint(-(10 ** rnd.randint(0, 24)), 10 ** rnd.randint(0, 24))
+            assert bool(c.fullmatch(str(v))) == _int_ok(v, s), (s, v)
+        for v in (lo - 1, lo, lo + 1, hi - 1, hi, hi + 1):
+            assert bool(c.fullmatch(str(v))) == _int_ok(v, s), (s, v)
+
+
+@pytest.mark.parametrize("bounds,inside,outside", [
+    ({"minimum": 1.5}, [2, 3, 100], [1, 0, -2]),
+    ({"exclusiveMinimum": 2.0}, [3, 4], [2, 1]),
+    ({"maximum": -0.5}, [-1, -7], [0, 1]),
+    ({"exclusiveMaximum": 1.5, "minimum": -1e2}, [1, -100], [2, -101]),
+    ({"minimum": 1e20}, [10**20, 10**21 + 3], [10**20 - 1]),
+])
+def test_integer_float_bounds(bounds, inside, outside):
+    c = re.compile(json_schema_to_regex({"type": "integer", **bounds}))
+    assert all(c.fullmatch(str(v)) for v in inside)
+    assert not any(c.fullmatch(str(v)) for v in outside)
+
+
+def _random_number_text(rnd: random.Random, center: int) -> str:
+    k = rnd.random()
+    if k < 0.3:
+        return str(center + rnd.randint(-3, 3))
+    ip = abs(center + rnd.randint(-2, 2))
+    sign = "-" if rnd.random() < 0.4 else ""
+    if k < 0.55:
+        frac = "".join(rnd.choice("0123456789") for _ in range(rnd.randint(1, 12)))
+    elif k < 0.8:
+        frac = rnd.choice(["9" * rnd.randint(1, 25), "0" * rnd.randint(1, 25) + "1", "0" * rnd.randint(1, 30),
+                           "5", "0" * rnd.randint(300, 340) + "1"])
+    else:
+        return sign + str(ip) + rnd.choice(["e1", "E-2", ".5e3", ""])
+    return f"{sign}{ip}.{frac}"
+
+
+def test_number_bounds_never_larger_even_with_float_rounding():
+    """Numbers with integer-valued bounds: random texts near the bounds (including fractions that round
+    to the bound as floats, and underflows) are never accepted when jsonschema rejects them."""
+    rnd = random.Random(3)
+    accepted = 0
+    for _ in range(500):
+        s = {"type": "number"}
+        c0 = rnd.choice([0, 0, 1, -1, 5, -7, 10**6, -(10**6), 123456])
+        for kw in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            if rnd.random() < 0.4:
+                s[kw] = c0 + rnd.randint(-3, 3) if rnd.random() < 0.7 else float(c0 + rnd.randint(-3, 3))
+        try:
+            c = re.compile(json_schema_to_regex(s))
+        except (EmptyLanguageError, UnsupportedSchemaError):  # e.g. an exclusive bound beyond 10**6
+            continue
+        v = validator(s)
+        for _ in range(40):
+            t = _random_number_text(rnd, c0)
+            if c.fullmatch(t):
+                assert v.is_valid(json.loads(t)), (s, t)
+                accepted += 1
+    assert accepted > 3000
+
+
+@pytest.mark.parametrize("schema,good,bad", [
+    ({"type": "number", "minimum": 0}, ["0", "0.5", "3", "12.25"], ["-1", "-0.5", "1e3"]),
+    ({"type": "number", "exclusiveMinimum": 0}, ["0.5", "3", "0.000000001"], ["0", "0.0", "-2", "0.0000000000001"]),
+    ({"type": "number", "maximum": 0}, ["0", "-0.5", "-3"], ["0.5", "1"]),
+    ({"type": "number", "exclusiveMaximum": 0}, ["-0.5", "-3"], ["0", "-0", "-0.0", "0.5"]),
+    ({"type": "number", "minimum": -2, "maximum": 2}, ["-2", "-1.5", "2", "1.999"], ["-2.5", "2.5", "3"]),
+    ({"type": "number", "multipleOf": 5, "maximum": 20}, ["20", "-5", "0"], ["21", "2.5", "25"]),
+])
+def test_number_bounds_examples(schema, good, bad):
+    c = re.compile(assert_never_larger(schema))
+    assert all(c.fullmatch(t) for t in good), good
+    assert not any(c.fullmatch(t) for t in bad)
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "number", "minimum": 0.5}, "minimum"),
+    ({"type": "number", "exclusiveMinimum": 10**7}, "exclusiveMinimum"),
+    ({"type": "number", "maximum": 2**60}, "maximum"),
+    ({"type": "number", "multipleOf": 0.01}, "multipleOf"),
+    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+    ({"type": "integer", "exclusiveMinimum": True, "minimum": 1}, "exclusiveMinimum"),
+])
+def test_number_keywords_refused(schema, keyword):
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        json_schema_to_regex(schema)
+    assert ei.value.keyword == keyword and keyword in str(ei.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Strings: length, pattern, format
+# ------------------------------------------------------------------------------------------------
+
+
+def test_string_length_counts_characters_and_escapes():
+    c = re.compile(json_schema_to_regex({"type": "string", "minLength": 2, "maxLength": 3}))
+    for s in ["ab", "abc", "a\n", "é中", '"\\', "\u0001x"]:
+        assert c.fullmatch(compact(s)), s
+    assert c.fullmatch(r'"\u00e9\/"')
+    for s in ["a", "abcd", "😀"]:
+        assert not c.fullmatch(compact(s)), s
+    assert not c.fullmatch(r'"\ud83d\ude00"')  # surrogate escapes excluded (documented)
+    assert c.fullmatch('"😀x"')
+    assert_never_larger({"type": "string", "minLength": 2, "maxLength": 3})
+
+
+@pytest.mark.parametrize("pattern,good,bad", [
+    ("^[a-z]+-[0-9]{2}$", ["ab-12"], ["ab-1", "Ab-12", "xab-12 "]),
+    ("^\\d{3}$", ["123"], ["12", "1234", "١٢٣"]),
+    ("ab", ["ab", "xaby", "a\"ab"], ["a", "ba"]),
+    ("^ab", ["ab", "abz"], ["zab"]),
+    ("b$", ["b", "ab"], ["ba"]),
+    ('^a"b\\\\c$', ['a"b\\c'], ["abc"]),
+    ("^.{2}$", ["ab", "é中"], ["a", "abc"]),
+    ("^[^a]$", ["b", "中"], ["a", "ab"]),
+    ("^(foo|bar)?baz$", ["baz", "foobaz", "barbaz"], ["fbaz"]),
+    ("^\\S+$", ["ab"], ["a b", ""]),
+    ("^\\s?x$", ["x", " x", "\tx"], ["  x"]),
+    ("^\\D$", ["a"], ["1", "٣"]),
+])
+def test_pattern_matches_the_json_escaped_text(pattern, good, bad):
+    schema = {"type": "string", "pattern": pattern}
+    c = re.compile(assert_never_larger(schema))
+    for s in good:
+        assert c.fullmatch(compact(s)), s
+    for s in bad:
+        assert not c.fullmatch(compact(s)), s
+
+
+@pytest.mark.parametrize("pattern", ["\\w+\\W", "(?i)abc", "(?P<x>a)", "a{,3}", "[]a]", "\\bx", "(?=a)a",
+                                     "(a)\\1", "\\p{L}", "\\cA", "[\\S]"])
+def test_pattern_constructs_refused(pattern):
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        json_schema_to_regex({"type": "string", "pattern": pattern})
+    assert ei.value.keyword == "pattern"
+
+
+def test_pattern_or_format_with_length_only_when_implied():
+    assert json_schema_to_regex({"type": "string", "pattern": "^[a-z]{2,4}$", "minLength": 1, "maxLength": 4})
+    assert json_schema_to_regex({"type": "string", "format": "date", "maxLength": 10})
+    for extra in ({"maxLength": 3}, {"minLength": 5}):
+        with pytest.raises(UnsupportedSchemaError):
+            json_schema_to_regex({"type": "string", "pattern": "^[a-z]{2,4}$", **extra})
+    with pytest.raises(UnsupportedSchemaError):
+        json_schema_to_regex({"type": "string", "pattern": "a", "maxLength": 9})  # unanchored: unbounded
+    with pytest.raises(UnsupportedSchemaError):
+        json_schema_to_regex({"type": "string", "format": "date", "pattern": "^2"})
+
+
+def test_format_date_exact_calendar():
+    import datetime
+
+    c = re.compile(json_schema_to_regex({"type": "string", "format": "date"}))
+    for year in (1900, 1999, 2000, 2023, 2024, 2100, 2400, 4, 1):
+        for month in range(0, 14):
+            for day in range(0, 33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    datetime.date(year, month, day)
+                    ok = True
+                except ValueError:
+                    ok = False
+                assert bool(c.fullmatch(f'"{text}"')) == ok, text
+    assert not c.fullmatch('"0000-01-01"') and not c.fullmatch('"2022-1-01"')
+
+
+@pytest.mark.parametrize("fmt,good,bad", [
+    ("time", ["08:30:06Z", "23:59:59.123+05:30", "00:00:00-23:59"], ["08:30:06", "24:00:00Z", "08:30:60Z",
+                                                                     "8:30:06Z", "08:30:06+5:30"]),
+    ("date-time", ["1963-06-19T08:30:06.283185Z", "2024-02-29T00:00:00+01:00"],
+     ["1963-06-19T08:30:06", "2023-02-29T00:00:00Z", "1963-06-19 08:30:06Z"]),
+    ("uuid", ["2EB8AA08-AA98-11ea-B4Aa-73B441D16380"], ["2eb8aa08-aa98-11ea-b4aa-73b441d1638",
+                                                        "2eb8aa08aa9811eab4aa73b441d16380"]),
+    ("ipv4", ["192.168.0.1", "0.0.0.0", "255.255.255.255"], ["256.0.0.1", "01.2.3.4", "1.2.3", "1.2.3.4.5"]),
+    ("email", ["joe.bloggs@example.com", "a+b@x-y.co"], ["joe", "joe@", ".a@b.c", "a..b@c.d", "a@b", "a@-b.c"]),
+])
+def test_formats(fmt, good, bad):
+    schema = {"type": "string", "format": fmt}
+    c = re.compile(assert_never_larger(schema))
+    for s in good:
+        assert c.fullmatch(compact(s)), s
+    for s in bad:
+        assert not c.fullmatch(compact(s)), s
+
+
+@pytest.mark.parametrize("fmt", ["uri", "hostname", "ipv6", "duration", "regex", "idn-email", "password"])
+def test_other_formats_refused(fmt):
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        json_schema_to_regex({"type": "string", "format": fmt})
+    assert ei.value.keyword == "format" and fmt in str(ei.value)
+    assert json_schema_to_regex({"type": "integer", "format": fmt})  # format only constrains strings
+
+
+# ------------------------------------------------------------------------------------------------
+# enum / const, arrays, combinators, $ref
+# ------------------------------------------------------------------------------------------------
+
+
+def test_enum_const_filtered_by_the_other_keywords():
+    schema = {"type": "string", "enum": ["a", "bb", 3, None, "ccc"], "maxLength": 2}
+    c = re.compile(assert_never_larger(schema))
+    assert c.fullmatch('"a"') and c.fullmatch('"bb"')
+    assert not c.fullmatch("3") and not c.fullmatch("null") and not c.fullmatch('"ccc"')
+    rx = json_schema_to_regex({"enum": [{"k": [1, "x\n"]}, "a|b", 1.5, True]})
+    for v in [{"k": [1, "x\n"]}, "a|b", 1.5, True]:
+        assert re.fullmatch(rx, compact(v))
+    assert not re.fullmatch(rx, '"a"')
+    assert json_schema_to_regex({"const": "x", "not": {"const": "y"}}) == '"x"'  # exact via jsonschema
+    with pytest.raises(EmptyLanguageError):
+        json_schema_to_regex({"const": "x", "type": "integer"})
+
+
+def test_arrays():
+    s = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": {"type": "boolean"},
+         "minItems": 1, "maxItems": 4}
+    c = re.compile(assert_never_larger(s))
+    for v, ok in [([1], True), ([1, "a"], True), ([1, "a", True, False], True), ([], False),
+                  ([1, "a", True, False, True], False), (["a"], False), ([1, "a", 3], False)]:
+        assert bool(c.fullmatch(compact(v))) == ok, v
+    c = re.compile(assert_never_larger({"type": "array", "prefixItems": [{"const": 1}], "items": False}))
+    assert c.fullmatch("[]") and c.fullmatch("[1]") and not c.fullmatch("[1,1]")
+    c = re.compile(assert_never_larger({"type": "array", "items": {"const": "z"}, "uniqueItems": True}))
+    assert c.fullmatch('["z"]') and not c.fullmatch('["z","z"]')
+    assert json_schema_to_regex({"type": "array", "uniqueItems": True, "maxItems": 1})
+    for bad in ({"type": "array", "uniqueItems": True}, {"type": "array", "contains": {"const": 1}},
+                {"type": "array", "items": [{"type": "integer"}]}):
+        with pytest.raises(UnsupportedSchemaError):
+            json_schema_to_regex(bad)
+
+
+def test_any_value_bounded_depth():
+    c = re.compile(assert_never_larger({}))
+    for v in [None, 1, -2.5e3, "s", [], {}, [1, {"a": "b"}], {"a": [1, 2], "b": {"c": None}}]:
+        assert c.fullmatch(compact(v)), v
+    assert not c.fullmatch(compact([[[1]]]))  # deeper than ANY_VALUE_DEPTH (documented)
+    obj = re.compile(assert_never_larger({"type": "object"}))
+    assert obj.fullmatch(compact({"a": [1, "x"], "b": {"c": "d"}})) and not obj.fullmatch("[]")
+    assert not obj.fullmatch(compact({"a": [1, {"x": 1}]}))
+    assert obj.fullmatch(json.dumps({"a": [1, 2], "b": {"c": "d"}}))
+
+
+def test_any_of_one_of_all_of():
+    s = {"anyOf": [{"type": "integer", "minimum": 5}, {"type": "string", "maxLength": 1}, {"type": "null"}]}
+    c = re.compile(assert_never_larger(s))
+    assert c.fullmatch("7") and c.fullmatch('"a"') and c.fullmatch("null") and not c.fullmatch("4")
+    # siblings of anyOf are distributed into each alternative
+    s = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False,
+         "anyOf": [{"required": ["a"]}, {"maxProperties": 0}]}
+    c = re.compile(assert_never_larger(s))
+    assert c.fullmatch('{"a":1}') and c.fullmatch("{}")
+    # oneOf: disjoint by type, by const discriminator, by numeric range
+    for s in ({"oneOf": [{"type": "string"}, {"type": "integer"}]},
+              {"oneOf": [{"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+                          "required": ["kind"]},
+                         {"type": "object", "properties": {"kind": {"enum": ["dog", "wolf"]}}, "required": ["kind"]}]},
+              {"oneOf": [{"type": "integer", "maximum": 0}, {"type": "integer", "exclusiveMinimum": 0}]}):
+        assert_never_larger(s)
+    one_sided = {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                           {"type": "object", "properties": {"k": {"const": "b"}}}]}
+    c = re.compile(assert_never_larger(one_sided))
+    assert c.fullmatch('{"k":"a"}') and c.fullmatch("{}") and c.fullmatch('{"k":"b"}')
+    for overlapping in ({"oneOf": [{"type": "integer"}, {"type": "number"}]},
+                        {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}},
+                                   {"type": "object", "properties": {"k": {"const": "b"}}}]},  # {} is in both
+                        {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 0}]}):
+        with pytest.raises(UnsupportedSchemaError) as ei:
+            json_schema_to_regex(overlapping)
+        assert ei.value.keyword == "oneOf"
+    # allOf: merged when the keywords do not interact
+    s = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                   {"properties": {"b": {"type": "string"}}, "required": ["b"]}, {"title": "x"}]}
+    c = re.compile(assert_never_larger(s))
+    assert c.fullmatch('{"a":1,"b":"x"}') and not c.fullmatch('{"a":1}')
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        json_schema_to_regex({"allOf": [{"properties": {"a": {}}}, {"additionalProperties": False}]})
+    assert ei.value.keyword == "allOf"
+    with pytest.raises(UnsupportedSchemaError):
+        json_schema_to_regex({"not": {"type": "string"}})
+    with pytest.raises(UnsupportedSchemaError):
+        json_schema_to_regex({"if": {"type": "string"}, "then": {"minLength": 1}})
+
+
+def test_refs_pointers_memo_and_recursion():
+    schema = {"$defs": {"a/b": {"type": "integer"}, "c~d": {"type": "string"}, "pct %": {"type": "null"},
+                        "a%20b": {"type": "integer", "minimum": 3}},
+              "definitions": {"old": {"type": "boolean"}},
+              "type": "array", "prefixItems": [{"$ref": "#/$defs/a~1b"}, {"$ref": "#/$defs/c~0d"},
+                                               {"$ref": "#/$defs/pct%20%25"}, {"$ref": "#/definitions/old"},
+                                               {"$ref": "#/prefixItems/0"}, {"$ref": "#/$defs/a%2520b"}],
+              "items": False}
+    c = re.compile(assert_never_larger(schema))
+    assert c.fullmatch('[1,"s",null,true,2,3]') and not c.fullmatch('[1,"s",null,true,2,2]')
+    rec = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+           "$ref": "#/$defs/node"}
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        json_schema_to_regex(rec)
+    assert ei.value.keyword == "$ref" and ei.value.regular is False
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        json_schema_to_regex({"type": "object", "properties": {"self": {"$ref": "#"}}})
+    assert ei.value.regular is False
+    for ref in ("http://localhost:1234/draft2020-12/integer.json", "other.json#/x", "#anchor"):
+        with pytest.raises(UnsupportedSchemaError) as ei:
+            json_schema_to_regex({"$ref": ref})
+        assert ei.value.keyword == "$ref" and ei.value.regular is True
+    with pytest.raises(InvalidSchemaError) as ei:
+        json_schema_to_regex({"$ref": "#/$defs/missing"})
+    assert "missing" in str(ei.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors, keywords, whitespace, escape_literal
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "integer", "minimum": "abc"}, "minimum"),
+    ({"type": "object", "required": 5}, "required"),
+    ({"type": "strin"}, "type"),
+    ({"type": "string", "maxLength": -1}, "maxLength"),
+    ({"type": "object", "properties": {"a": 3}}, "properties"),
+    ({"anyOf": []}, "anyOf"),
+])
+def test_invalid_schemas(schema, keyword):
+    with pytest.raises(InvalidSchemaError) as ei:
+        json_schema_to_regex(schema)
+    assert ei.value.keyword == keyword and keyword in str(ei.value) and isinstance(ei.value, FstBackendError)
+    with pytest.raises(InvalidSchemaError):
+        json_schema_to_regex([1, 2])
+
+
+def test_unknown_keywords_refused_with_pointer_annotations_ignored():
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        json_schema_to_regex({"type": "object", "properties": {"a": {"type": "string", "nullable": True}}})
+    assert ei.value.keyword == "nullable" and ei.value.pointer == "/properties/a" and "#/properties/a" in str(ei.value)
+    for kw in ("dependencies", "additionalItems", "patternProperties", "propertyNames", "$dynamicRef"):
+        value = {"$dynamicRef": "#x", "propertyNames": {"maxLength": 3}}.get(kw, {"x": {"type": "string"}})
+        sch = {"type": "object", kw: value}
+        with pytest.raises(UnsupportedSchemaError) as ei:
+            json_schema_to_regex(sch)
+        assert ei.value.keyword == kw
+    annotated = {"title": "t", "description": "d", "default": 1, "examples": [1], "$comment": "c", "deprecated": True,
+                 "readOnly": True, "writeOnly": False, "$schema": "https://json-schema.org/draft/2020-12/schema",
+                 "type": "integer"}
+    assert json_schema_to_regex(annotated) == json_schema_to_regex({"type": "integer"})
+    # propertyNames / min/maxProperties / dependentRequired accepted when they always hold
+    assert json_schema_to_regex({"type": "object", "properties": {"ab": {}}, "additionalProperties": False,
+                                 "propertyNames": {"maxLength": 2}, "maxProperties": 1,
+                                 "dependentRequired": {"zz": ["q"]}})
+    c = re.compile(json_schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}},
+                                         "additionalProperties": False, "minProperties": 1}))
+    assert c.fullmatch('{"a":1}') and not c.fullmatch("{}")
+
+
+def test_boolean_schemas():
+    assert re.fullmatch(json_schema_to_regex(True), "[1]")
+    with pytest.raises(EmptyLanguageError):
+        json_schema_to_regex(False)
+    rx = json_schema_to_regex({"type": "object", "properties": {"a": False, "b": True}, "additionalProperties": False})
+    assert re.fullmatch(rx, '{"b":[]}') and not re.fullmatch(rx, '{"a":1}')
+
+
+def test_whitespace_pattern():
+    s = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}, "required": ["a"],
+         "additionalProperties": False}
+    assert re.fullmatch(json_schema_to_regex(s), '{ "a": [1, 2] }')
+    assert not re.fullmatch(json_schema_to_regex(s), '{  "a":[1]}')  # default [ ]? is bounded
+    rx = json_schema_to_regex(s, "[ \\n]{0,2}")
+    assert re.fullmatch(rx, '{\n "a": [\n1,\n 2\n] }') and parse_regex(rx)
+    assert re.fullmatch(json_schema_to_regex(s, ""), '{"a":[1]}')
+    assert not re.fullmatch(json_schema_to_regex(s, ""), '{"a": [1]}')
+    for bad in ("\\s*", "x?", "[^a]"):
+        with pytest.raises(InvalidOptionError):
+            json_schema_to_regex(s, bad)
+
+
+def test_escape_literal_round_trip():
+    for text in ["a.b", "x|y", "(1+1)*2", "new\nline", "a b-c#d", "[]{}^$\\", "\x00\x7f", '"q"', "中😀"]:
+        rx = escape_literal(text)
+        assert re.fullmatch(rx, text) and parse_regex(rx)
+
+
+# ------------------------------------------------------------------------------------------------
+# A corpus of realistic schemas: parses, never larger, natural instances accepted
+# ------------------------------------------------------------------------------------------------
+
+CORPUS = {
+    "tool_call": ({
+        "type": "object",
+        "properties": {
+            "location": {"type": "string", "description": "City"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        },
+        "required": ["location"],
+    }, [{"location": "Paris"}, {"location": "Oslo", "unit": "celsius", "days": 3}]),
+    "pydantic": ({
+        "$defs": {"Color": {"enum": ["red", "green"], "title": "Color", "type": "string"},
+                  "Item": {"properties": {"name": {"title": "Name", "type": "string"},
+                                          "price": {"exclusiveMinimum": 0, "title": "Price", "type": "number"}},
+                           "required": ["name", "price"], "title": "Item", "type": "object"}},
+        "properties": {"id": {"format": "uuid", "type": "string"},
+                       "color": {"$ref": "#/$defs/Color", "default": "red"},
+                       "items": {"items": {"$ref": "#/$defs/Item"}, "maxItems": 5, "type": "array"},
+                       "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+                       "when": {"format": "date-time", "type": "string"}},
+        "required": ["id", "items"], "title": "Order", "type": "object", "additionalProperties": False,
+    }, [{"id": "2eb8aa08-aa98-11ea-b4aa-73b441d16380", "items": []},
+        {"id": "2eb8aa08-aa98-11ea-b4aa-73b441d16380", "color": "green",
+         "items": [{"name": "pen", "price": 1.5}, {"name": "ink", "price": 2}], "note": None,
+         "when": "2024-02-29T12:00:00Z"}]),
+    "discriminated": ({
+        "oneOf": [{"type": "object", "properties": {"type": {"const": "circle"}, "r": {"type": "number", "minimum": 0}},
+                   "required": ["type", "r"], "additionalProperties": False},
+                  {"type": "object", "properties": {"type": {"const": "rect"}, "w": {"type": "number"},
+                                                    "h": {"type": "number"}},
+                   "required": ["type", "w", "h"], "additionalProperties": False}],
+        "discriminator": {"propertyName": "type"},
+    }, [{"type": "circle", "r": 2}, {"type": "rect", "w": 1, "h": 2.5}]),
+    "nested_optional": ({
+        "type": "object", "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 20},
+            "address": {"type": "object", "properties": {"street": {"type": "string"}, "zip": {"type": "string",
+                        "pattern": "^[0-9]{5}$"}}, "additionalProperties": False},
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": False},
+            "score": {"type": ["number", "null"], "maximum": 100}},
+        "additionalProperties": False,
+    }, [{}, {"name": "x", "address": {"zip": "12345"}, "tags": ["a", "b"], "score": None},
+        {"address": {"street": "Main"}, "score": 99.5}]),
+    "json_object": ({"type": "object"}, [{}, {"a": 1, "b": [True, None], "c": {"d": "e"}}]),
+    "string_formats": ({"type": "array", "items": {"anyOf": [{"type": "string", "format": "date"},
+                                                            {"type": "string", "format": "ipv4"},
+                                                            {"type": "string", "format": "email"}]}},
+                       [["2020-01-31", "10.0.0.1", "a@b.io"]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_corpus_never_larger_and_natural_instances_accepted(name):
+    schema, instances = CORPUS[name]
+    rx = assert_never_larger(schema, n=200, seed=zlib.crc32(name.encode()))
+    c = re.compile(rx)
+    v = validator(schema)
+    for inst in instances:
+        assert v.is_valid(inst), inst
+        assert c.fullmatch(compact(inst)), (name, inst)
+        assert c.fullmatch(json.dumps(inst, ensure_ascii=False)), (name, inst)
+
+
+def _random_schema(rnd: random.Random, depth: int, defs: dict):
+    """A random schema over the supported keywords (and a few that get refused)."""
+    k = rnd.random()
+    if depth > 3 or k < 0.25:
+        t = rnd.choice(["integer", "number", "string", "boolean", "null"])
+        s: dict = {"type": t}
+        if t == "integer":
+            if rnd.random() < 0.5:
+                s["minimum"] = rnd.randint(-20, 20)
+            if rnd.random() < 0.4:
+                s["exclusiveMaximum"] = rnd.randint(-20, 40)
+            if rnd.random() < 0.2:
+                s["multipleOf"] = rnd.choice([2, 5, 10])
+        elif t == "number":
+            if rnd.random() < 0.5:
+                s[rnd.choice(["minimum", "exclusiveMinimum"])] = rnd.randint(-5, 5)
+            if rnd.random() < 0.5:
+                s[rnd.choice(["maximum", "exclusiveMaximum"])] = rnd.randint(-5, 10)
+        elif t == "string":
+            r = rnd.random()
+            if r < 0.3:
+                s.update(maxLength=rnd.randint(0, 4), minLength=rnd.randint(0, 2))
+            elif r < 0.5:
+                s["pattern"] = rnd.choice(["^a+$", "b", "^[^x]{1,2}$", "^.$", "\\d", "^\\S+$", "^(ab|c)*$", 'q"\\\\'])
+            elif r < 0.6:
+                s["format"] = rnd.choice(["date", "ipv4", "uuid", "time", "date-time", "email"])
+            elif r < 0.7:
+                s = {"enum": rnd.sample(["a", "b", 1, None, True, [1], {"x": 1}, "c\n"], rnd.randint(1, 4))}
+        if rnd.random() < 0.1:
+            s = {"const": rnd.choice(["z", 2, None, {"k": [1]}])}
+        return s
+    if k < 0.55:
+        names = ["zeta", "a", "mid", "b2", "ab", "x", "name"]
+        props = {rnd.choice(names) + str(i): _random_schema(rnd, depth + 1, defs) for i in range(rnd.randint(0, 4))}
+        s = {"type": "object", "properties": props}
+        if props and rnd.random() < 0.6:
+            s["required"] = rnd.sample(list(props), rnd.randint(0, len(props)))
+        r = rnd.random()
+        if r < 0.35:
+            s["additionalProperties"] = False
+        elif r < 0.5:
+            s["additionalProperties"] = _random_schema(rnd, depth + 1, defs)
+        elif r < 0.6:
+            s = {"allOf": [s], "unevaluatedProperties": False}
+        if rnd.random() < 0.1:
+            s["minProperties"] = 1
+        if rnd.random() < 0.2:
+            s.pop("type", None)
+        return s
+    if k < 0.7:
+        s = {"type": "array"}
+        if rnd.random() < 0.3:
+            s["prefixItems"] = [_random_schema(rnd, depth + 1, defs) for _ in range(rnd.randint(1, 2))]
+        if rnd.random() < 0.7:
+            s["items"] = _random_schema(rnd, depth + 1, defs) if rnd.random() < 0.9 else False
+        if rnd.random() < 0.4:
+            s["minItems"] = rnd.randint(0, 2)
+        if rnd.random() < 0.4:
+            s["maxItems"] = rnd.randint(0, 3)
+        return s
+    if k < 0.8:
+        alternatives = [_random_schema(rnd, depth + 1, defs) for _ in range(rnd.randint(1, 3))]
+        return {rnd.choice(["anyOf", "oneOf"]): alternatives}
+    if k < 0.87:
+        return {"allOf": [_random_schema(rnd, depth + 1, defs) for _ in range(rnd.randint(1, 2))]}
+    if k < 0.95:
+        name = f"d{len(defs)}"
+        defs[name] = {}
+        defs[name] = _random_schema(rnd, depth + 1, defs)
+        ref = {"$ref": f"#/$defs/{name}"}
+        return ref if rnd.random() < 0.7 else {**ref, "required": ["a0"], "type": "object"}
+    return rnd.choice([{}, True, {"type": ["string", "null"]}, {"not": False}])
+
+
+def test_random_schemas_never_larger():
+    """Random schemas over the supported keywords: converted or refused by name, and every sampled
+    string of the regex (and every accepted mutation of one) valid."""
+    converted = 0
+    for seed in range(200):
+        rnd = random.Random(seed)
+        defs: dict = {}
+        schema = _random_schema(rnd, 0, defs)
+        if defs and isinstance(schema, dict):
+            schema = {**schema, "$defs": defs}
+        try:
+            rx = json_schema_to_regex(schema)
+        except NAMED:
+            continue
+        converted += 1
+        assert_never_larger(schema, n=20, seed=seed, rx=rx)
+    assert converted > 140
+
+
+# ------------------------------------------------------------------------------------------------
+# The official JSON Schema Test Suite (draft 2020-12)
+# ------------------------------------------------------------------------------------------------
+
+#: Floors measured on this converter (see the final report); raise them when support grows.
+SUITE_MIN_CONVERTED = 190
+SUITE_MIN_VALID_ACCEPTED = 440
+
+
+def _serializations(value) -> list[str]:
+    def reorder(v, how):
+        if isinstance(v, dict):
+            keys = sorted(v) if how == "sorted" else list(v)[::-1] if how == "reversed" else list(v)
+            return {k: reorder(v[k], how) for k in keys}
+        if isinstance(v, list):
+            return [reorder(x, how) for x in v]
+        return v
+
+    return list(dict.fromkeys(compact(reorder(value, h)) for h in ("given", "sorted", "reversed")))
+
+
+def test_json_schema_test_suite():
+    files = sorted(glob.glob(str(SUITE / "*.json")) + glob.glob(str(SUITE / "optional" / "**" / "*.json"),
+                                                                  recursive=True))
+    assert len(files) >= 80
+    converted = refused = valid = valid_accepted = invalid = 0
+    wrong = []
+    for f in files:
+        for case in json.load(open(f, encoding="utf-8")):
+            try:
+                rx = json_schema_to_regex(case["schema"])
+            except NAMED:
+                refused += 1
+                continue
+            converted += 1
+            parse_regex(rx, max_positions=10**6)
+            c = re.compile(rx)
+            for t in case["tests"]:
+                hits = [c.fullmatch(s) is not None for s in _serializations(t["data"])]
+                if t["valid"]:
+                    valid += 1
+                    valid_accepted += any(hits)
+                else:
+                    invalid += 1
+                    if any(hits):
+                        wrong.append((os.path.basename(f), case["description"], t["description"]))
+    print(f"suite: {converted} schemas converted, {refused} refused; valid instances accepted "
+          f"{valid_accepted}/{valid}; invalid instances {invalid}, wrongly accepted {len(wrong)}")
+    assert wrong == []
+    assert converted >= SUITE_MIN_CONVERTED and valid_accepted >= SUITE_MIN_VALID_ACCEPTED
+
+
+def test_remote_refs_of_the_suite_are_refused():
+    data = json.load(open(SUITE / "refRemote.json", encoding="utf-8"))
+    n = 0
+    for case in data:
+        if "localhost:1234" in json.dumps(case["schema"]):
+            with pytest.raises(UnsupportedSchemaError):
+                json_schema_to_regex(case["schema"])
+            n += 1
+    assert n >= 5
+
+
+# ------------------------------------------------------------------------------------------------
+# Limits and budgets
+# ------------------------------------------------------------------------------------------------
+
+
+def test_regex_size_limit_raises_fast():
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{1,3}[0-9]+$"}
+                                            for i in range(900)}, "required": ["p0"]}
+    t = time.perf_counter()
+    with pytest.raises(InputTooLargeError) as ei:
+        json_schema_to_regex(big, limits=InputLimits(max_regex_chars=20_000))
+    assert time.perf_counter() - t < 1.0
+    e = ei.value
+    assert e.limit_name == "max_regex_chars" and e.env_var == "VLLM_FST_MAX_REGEX_CHARS" and e.limit == 20_000
+    assert e.measured > 20_000 and "max_regex_chars" in str(e)
+
+
+def _fan_out(levels: int, combinator: str) -> dict:
+    defs = {f"L{levels}": {"type": "integer"}}
+    for i in range(levels - 1, -1, -1):
+        nxt = {"$ref": f"#/$defs/L{i + 1}"}
+        defs[f"L{i}"] = {combinator: [nxt, {"type": "array", "items": nxt}]}
+    return {"$defs": defs, "$ref": "#/$defs/L0"}
+
+
+@pytest.mark.parametrize("combinator", ["anyOf", "oneOf"])
+def test_explosive_fan_out_is_refused_quickly(combinator):
+    t = time.perf_counter()
+    with pytest.raises(NAMED):
+        json_schema_to_regex(_fan_out(12, combinator))
+    assert time.perf_counter() - t < 2.0
+    # the same shape, twice the same ref: deduplicated, linear
+    defs = {"L10": {"type": "integer"}}
+    for i in range(9, -1, -1):
+        defs[f"L{i}"] = {"anyOf": [{"$ref": f"#/$defs/L{i + 1}"}, {"$ref": f"#/$defs/L{i + 1}"}]}
+    assert json_schema_to_regex({"$defs": defs, "$ref": "#/$defs/L0"}) == json_schema_to_regex({"type": "integer"})
+
+
+def test_deadline_in_the_past_raises_compile_budget_error():
+    with pytest.raises(CompileBudgetError) as ei:
+        json_schema_to_regex({"type": "object"}, deadline=time.perf_counter() - 1)
+    assert "time budget" in str(ei.value)
+
+
+def test_schema_input_limits_checked_first():
+    deep: dict = {"type": "integer"}
+    for _ in range(40):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(InputTooLargeError) as ei:
+        json_schema_to_regex(deep)
+    assert ei.value.limit_name == "max_schema_depth"
+    with pytest.raises(InputTooLargeError):
+        json_schema_to_regex({"enum": list(range(5))}, limits=InputLimits(max_enum_values=3))
+
+
+# ------------------------------------------------------------------------------------------------
+# Real compiles (SmolLM2, canonical) stay within the compile budget
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_converted_regexes_compile_within_budget():
+    art_dir = ROOT / "tokenizer_artifacts" / "SmolLM2-135M-Instruct"
+    if not (art_dir / "manifest.json").is_file():
+        pytest.skip("SmolLM2 artifacts not built")
+    from vllm_fst_backend.artifacts.store import load_artifacts
+    from vllm_fst_backend.compiler import CompileOptions, compile_regex, prepare
+
+    art = load_artifacts(str(art_dir))
+    prepare(art, canonical=True)
+    for name in ("tool_call", "pydantic", "discriminated", "json_object"):
+        rx = json_schema_to_regex(CORPUS[name][0])
+        assert estimate_positions(parse_regex(rx)) < 8000
+        compiled = compile_regex(rx, art, CompileOptions(canonical=True))  # default budgets (4 s)
+        assert compiled.accepting.any()

@@ -1,0 +1,1784 @@
+"""JSON Schema (draft 2020-12) → regex, exact or refusing.
+
+:func:`json_schema_to_regex` turns a schema into a regex (the dialect of :mod:`.regex_parse`; also valid
+Python ``re`` syntax, whole-output match) whose language is a subset of the schema's valid instances, as
+``jsonschema``'s ``Draft202012Validator`` (with its ``FORMAT_CHECKER``) judges them. The rule: **never a
+larger language**. Where the regex accepts fewer instances than the schema, it is one of the choices
+listed under "Smaller language" below; everything else is enforced exactly or refused with a named error.
+
+Output shape. Object keys appear in the schema's ``properties`` order (dict order of the parsed JSON, at
+every level), then required names that ``properties`` does not declare (in ``required`` order), then
+extra keys (with ``allOf`` / ``$ref`` merges: the schema's own properties, then each merged schema's new
+ones, in order). Optional properties may be absent; commas are always right. The whitespace regex
+(``whitespace_pattern``, default :data:`DEFAULT_WHITESPACE` = ``[ ]?``; it may only match JSON
+whitespace) goes after ``{``, ``[``, ``,`` and ``:`` and before ``}`` / ``]``; so both the compact
+serialization (``json.dumps(obj, separators=(",", ":"), ensure_ascii=False)``) and ``json.dumps``'
+default one match.
+
+Enforced exactly:
+
+* ``type`` (string or list), ``enum`` and ``const`` (any JSON values, each serialized compactly; the
+  values are filtered by validating each against the whole schema with ``jsonschema``, so every other
+  keyword next to ``enum`` / ``const`` is exact, whatever it is);
+* strings: ``minLength`` / ``maxLength`` (code points, an escape counts one); ``pattern`` (translated to
+  match the JSON-escaped text, see below); ``format`` ``date`` (month lengths, Feb 29 only in leap
+  years, years 0001-9999), ``time`` and ``date-time`` (RFC 3339 with a required offset; enforced even
+  where ``jsonschema`` lacks its optional RFC 3339 checker), ``uuid``, ``ipv4`` (octets 0-255, no leading
+  zeros), ``email`` (a dot-atom subset of what ``jsonschema`` accepts); ``pattern`` or ``format``
+  together with a length bound only when every match satisfies the bound;
+* integers: ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (any numbers;
+  float bounds rounded inwards) as an exact digit-range regex; ``multipleOf`` 1, 2, 5 or 10;
+* numbers: the same four bounds when they are integer-valued (inclusive: ``|bound| <= 2**53``;
+  exclusive: ``|bound| <= 10**6``, see below); ``multipleOf`` 1, 2, 5, 10 (integers only, see below);
+* objects: ``properties``, ``required``, ``additionalProperties`` (``false``, a schema, or absent /
+  ``true``: extra keys with any value), ``unevaluatedProperties`` (as ``additionalProperties`` when that is
+  absent, a no-op when it is present; next to ``anyOf`` it sees one alternative's properties at a time,
+  a smaller language), ``maxProperties: 0``, ``minProperties: 1``;
+  ``propertyNames``, other ``minProperties`` / ``maxProperties``, ``dependentRequired``,
+  ``dependentSchemas`` and ``patternProperties: {}`` only when they always hold;
+* arrays: ``items`` (schema or ``false``), ``prefixItems``, ``minItems``, ``maxItems``,
+  ``unevaluatedItems`` (as ``items`` when that is absent); ``uniqueItems`` when ``maxItems <= 1`` or the
+  items are a single ``const``;
+* ``anyOf`` (union; sibling keywords, ``oneOf`` included, are distributed into each alternative);
+  ``oneOf`` when the alternatives are provably pairwise disjoint (different types, disjoint ``const`` /
+  ``enum`` values, disjoint numeric ranges, objects that require a property with disjoint values);
+  ``allOf`` and ``$ref`` with siblings by merging schemas whose keywords do not interact: ``type``
+  intersected, ``required`` united, bounds tightened, ``enum`` intersected, ``properties`` united (a
+  name in both: ``allOf`` of its two schemas) while neither side has ``additionalProperties`` /
+  ``patternProperties``, equal values kept; keywords that read each other (``properties`` /
+  ``patternProperties`` / ``additionalProperties``, ``prefixItems`` / ``items``, ``contains`` /
+  ``minContains`` / ``maxContains``, ``if`` / ``then`` / ``else``) are never split between two schemas,
+  and an ``unevaluated*`` keyword never sees what its siblings evaluate; ``not: false``;
+* ``$ref`` to ``#``, ``#/$defs/...``, ``#/definitions/...`` or any JSON pointer into the document
+  (``~0``, ``~1``, percent-decoding); the regex of each target is built once;
+* boolean schemas: ``true`` = any value (bounded depth), ``false`` = no value.
+
+Ignored (annotations, no effect on validity): ``title``, ``description``, ``default``, ``examples``,
+``$comment``, ``$schema`` (every draft is read as 2020-12: keywords whose meaning changed are refused),
+``deprecated``, ``readOnly``, ``writeOnly``, ``contentMediaType``, ``contentEncoding``, ``contentSchema``,
+``$anchor`` / ``$dynamicAnchor`` (references to anchors are refused), ``$vocabulary``, ``$defs`` /
+``definitions`` (read through ``$ref``), ``$id`` at the root, ``discriminator`` (an OpenAPI hint next to
+``oneOf``, which is enforced), ``then`` / ``else`` without ``if``, ``minContains`` / ``maxContains``
+without ``contains``.
+
+Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
+(other than ``false``), ``if``, ``contains``, non-empty ``patternProperties``, ``$dynamicRef``,
+``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
+non-integer number bounds, ``format`` other than the six above, ``pattern`` constructs whose ECMA-262
+and Python meanings differ or that our parser lacks (``\\W``, ``(?...)`` other than ``(?:``, ``{,n}``,
+``[]``, lookaround, backreferences, ``\\b``, ``\\p{..}``, ``\\D`` / ``\\S`` inside a class), ``pattern``
+with ``format``, ``uniqueItems`` beyond the cases above, the object keywords above when they do not
+always hold, ``oneOf`` not provably disjoint, ``allOf`` / sibling merges that interact, keywords of older
+drafts (``dependencies``, ``additionalItems``, ``items`` as an array, boolean ``exclusiveMinimum``, ...),
+and any unknown keyword (never silently ignored). A recursive ``$ref`` (a target reachable from itself)
+is refused with ``regular=False``: the language is not regular, a fallback backend may serve it.
+
+Other errors: :class:`~vllm_fst_backend.errors.InvalidSchemaError` (malformed schema: wrong value types,
+unknown type names, unresolvable ``$ref``); :class:`~vllm_fst_backend.errors.EmptyLanguageError` (the
+schema admits no value: ``false``, contradictory keywords); :class:`~vllm_fst_backend.errors.InputTooLargeError`
+(the schema is over the input limits, or the regex being built exceeds ``max_regex_chars``: checked at
+every step, so an explosive schema fails fast); :class:`~vllm_fst_backend.errors.CompileBudgetError`
+(past the ``deadline``, more than :data:`MAX_STEPS` conversion steps, or a regex nesting groups deeper
+than the parser accepts).
+
+Smaller language (documented choices; valid instances outside the regex are never generated):
+
+* whitespace only where :data:`DEFAULT_WHITESPACE` (or the given pattern) allows it, none inside
+  ``enum`` / ``const`` values (they are matched in their compact serialization, keys in the order given);
+* arbitrary values (``{}``, ``true``, ``{"type": "object"}`` without properties, arrays without
+  ``items``) nest at most :data:`ANY_VALUE_DEPTH` containers counted from the root of the output (deeper
+  ones: scalars); values of extra keys (``additionalProperties`` absent / ``true`` / ``{}``) of an object
+  that declares properties are scalars (:data:`EXTRA_VALUE_DEPTH`); extra keys come after declared ones;
+* strings: no ``\\uD800``-``\\uDFFF`` escapes (a surrogate pair counts 1 character to JSON Schema but
+  is 2 escapes); extra keys of an object that declares properties use unescaped characters only (so
+  that no escaped spelling of a declared name slips in as an "extra" key), and those longer than
+  :data:`EXTRA_KEY_PREFIX` characters do not start with a declared name's first EXTRA_KEY_PREFIX ones;
+* ``pattern``: characters that JSON must escape are matched in one spelling only (``json.dumps``'s:
+  ``\\"``, ``\\\\``, ``\\n``, ``\\u0001``, ...), ``/`` only unescaped; ``.`` and negated classes also
+  exclude ``"``, ``\\``, control characters and U+2028 / U+2029 (so they can be emitted raw), and
+  ``\\d`` / ``\\w`` / ``\\s`` are ASCII while ``\\D`` / ``\\S`` exclude all Unicode digits / spaces (the
+  intersection of the ECMA-262 and Python meanings); ``$`` does not match before a final newline;
+* formats: ``T`` and ``Z`` upper case, seconds ``00``-``59`` (no leap second), fractions of 1-9 digits;
+  ``email`` is ``dot-atom@domain`` with at least one dot in the domain (no quoted local parts, no
+  address literals); ``uuid`` is the 8-4-4-4-12 hex form;
+* integers: no exponent and no fraction (``1.0`` and ``1e2`` are integers to JSON Schema), and
+  ``enum`` / ``const`` numbers only in their own spelling (``1`` for 1, not ``1.0``); numbers with a
+  bound or ``multipleOf``: no exponent, ``-0`` excluded; with ``multipleOf``: integers only; with an
+  exclusive bound, the fraction of a number within 1 of that bound has at most 9 digits and does not
+  end in ``0`` (so that rounding to a float can never reach the excluded bound).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import unicodedata
+from contextlib import contextmanager
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Iterable
+from urllib.parse import unquote
+
+from ..errors import (
+    CompileBudgetError,
+    EmptyLanguageError,
+    InputTooLargeError,
+    InvalidOptionError,
+    InvalidSchemaError,
+    RegexError,
+    UnsupportedSchemaError,
+)
+from .limits import ENV_VARS, InputLimits, check_schema_obj
+from .regex_parse import escape_literal, parse_regex  # escape_literal: re-exported (one shared copy)
+
+try:  # the parser's nesting limit (regex_parse.MAX_GROUP_DEPTH); 50 where an older parser lacks the name
+    from .regex_parse import MAX_GROUP_DEPTH
+except ImportError:  # pragma: no cover
+    MAX_GROUP_DEPTH = 50
+
+__all__ = [
+    "json_schema_to_regex",
+    "escape_literal",
+    "DEFAULT_WHITESPACE",
+    "ANY_VALUE_DEPTH",
+    "EXTRA_VALUE_DEPTH",
+    "EXTRA_KEY_PREFIX",
+    "MAX_STEPS",
+]
+
+#: Whitespace between JSON tokens when the request gives none (what vLLM's outlines integration uses).
+#: Bounded on purpose: unbounded whitespace lets small models loop.
+DEFAULT_WHITESPACE = "[ ]?"
+
+#: Arbitrary JSON values (``{}``, ``true``, ``{"type": "object"}`` without properties, ``{"type": "array"}``
+#: without items) nest at most this many containers counted from the root of the output: at the root,
+#: ``{"a": [1], "b": {"c": null}}`` is accepted, ``{"a": [[1]]}`` is not. Deeper arbitrary values get the
+#: rest (at least scalars). Why 2: on SmolLM2 (canonical, 2 CPU cores), ``{"type": "object"}`` compiles
+#: in ~1.3 s with 2 levels and ~1.9 s with 3, and ``{}`` in ~3 s with 2 levels but over the token-state
+#: budget with 3 (the automaton remembers every open container).
+ANY_VALUE_DEPTH = 2
+
+#: Containers allowed inside the value of an *extra* key (``additionalProperties`` absent, ``true`` or
+#: ``{}``) of an object that declares properties: 0 = scalars only (null, booleans, numbers, strings). Each
+#: open object costs a few tenths of a second of compile time even so.
+EXTRA_VALUE_DEPTH = 0
+
+#: Extra keys are compared with the declared names on at most this many leading characters: an extra key
+#: longer than that which starts with a declared name's first EXTRA_KEY_PREFIX characters is not generated
+#: at all (smaller language; keeps the key regex small).
+EXTRA_KEY_PREFIX = 3
+
+#: Leading optional properties of one object (those before the first required one) are handled in about
+#: this many blocks: each block adds one group nesting level, and the j-th member of a block is written
+#: j + 2 times. A member longer than :data:`BIG_MEMBER_CHARS` (a nested object, say) starts a block (at
+#: most 2 copies), and is written once when it is at least as long as its siblings together (they get
+#: a few copies more), so a chain of nested all-optional objects grows linearly, not exponentially.
+OPTIONAL_BLOCKS = 4
+BIG_MEMBER_CHARS = 200
+
+#: Conversion steps (schema nodes visited, merges, disjointness checks) before CompileBudgetError.
+MAX_STEPS = 200_000
+
+_MAX_SAFE_INT = 2**53  # inclusive number bounds: exactly representable as floats
+_MAX_EXCLUSIVE_BOUND = 10**6  # exclusive number bounds: 9 fraction digits stay clear of float rounding
+
+# --------------------------------------------------------------------------------------------------
+# Keywords
+# --------------------------------------------------------------------------------------------------
+
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$comment", "$schema", "deprecated", "readOnly",
+    "writeOnly", "contentMediaType", "contentEncoding", "contentSchema", "$anchor", "$dynamicAnchor",
+    "$vocabulary", "$defs", "definitions",
+    "discriminator",  # OpenAPI / pydantic hint next to oneOf/anyOf: no validation meaning of its own
+})
+_NUMERIC_KW = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+_STRING_KW = frozenset({"minLength", "maxLength", "pattern", "format"})
+_ARRAY_KW = frozenset({"items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains",
+                       "minContains", "maxContains", "unevaluatedItems"})
+_OBJECT_KW = frozenset({"properties", "required", "additionalProperties", "unevaluatedProperties",
+                        "patternProperties", "propertyNames", "minProperties", "maxProperties",
+                        "dependentRequired", "dependentSchemas"})
+_GENERIC_KW = frozenset({"type", "enum", "const", "$ref", "allOf", "anyOf", "oneOf", "not", "if", "then",
+                         "else", "$id"})
+_KNOWN = _ANNOTATIONS | _NUMERIC_KW | _STRING_KW | _ARRAY_KW | _OBJECT_KW | _GENERIC_KW
+_OLDER_DRAFTS = frozenset({"dependencies", "additionalItems", "$recursiveRef", "$recursiveAnchor", "id",
+                           "divisibleBy", "disallow", "extends", "optional"})
+
+#: Keywords that read each other: never split between two merged schemas.
+_ADJACENT = (
+    frozenset({"properties", "patternProperties", "additionalProperties"}),
+    frozenset({"prefixItems", "items"}),
+    frozenset({"contains", "minContains", "maxContains"}),
+    frozenset({"if", "then", "else"}),
+)
+_APPLICATORS = frozenset({"allOf", "anyOf", "oneOf", "$ref", "not", "if", "then", "else", "dependentSchemas"})
+#: What an unevaluated* keyword reads: these keywords (and in-place applicators that may hold them) must
+#: come from the same schema (or below it), never from a sibling that a merge would put next to it.
+_EVALUATES = {
+    "unevaluatedProperties": frozenset({"properties", "patternProperties", "additionalProperties",
+                                        "unevaluatedProperties"}) | _APPLICATORS,
+    "unevaluatedItems": frozenset({"prefixItems", "items", "contains", "unevaluatedItems"}) | _APPLICATORS,
+}
+
+_TYPE_NAMES = ("null", "boolean", "object", "array", "string", "number", "integer")
+_TYPE_ORDER = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+# --------------------------------------------------------------------------------------------------
+# Regex text helpers
+# --------------------------------------------------------------------------------------------------
+
+def _class_char(cp: int) -> str:
+    ch = chr(cp)
+    if ch in "\\]^-[":
+        return "\\" + ch
+    if cp < 0x20 or cp == 0x7F:
+        return f"\\x{cp:02x}"
+    return ch
+
+
+def _class_text(cps: Iterable[int], negated: bool = False) -> str:
+    """``[...]`` (or ``[^...]``) of the code points ``cps``, runs of three or more written as ranges."""
+    cps = sorted(set(cps))
+    out = []
+    i = 0
+    while i < len(cps):
+        j = i
+        while j + 1 < len(cps) and cps[j + 1] == cps[j] + 1:
+            j += 1
+        if j - i >= 2:
+            out.append(_class_char(cps[i]) + "-" + _class_char(cps[j]))
+        else:
+            out.extend(_class_char(c) for c in cps[i : j + 1])
+        i = j + 1
+    return "[" + ("^" if negated else "") + "".join(out) + "]"
+
+
+def _where(ptr: str) -> str:
+    return f"at #{ptr}" if ptr else "at the schema root"
+
+
+def _ptr_join(ptr: str, *tokens: Any) -> str:
+    return ptr + "".join("/" + str(t).replace("~", "~0").replace("/", "~1") for t in tokens)
+
+
+# --------------------------------------------------------------------------------------------------
+# Regex algebra (sizes checked at every step)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _R:
+    """A regex fragment: ``atom`` when a quantifier may follow it without parentheses; ``branches`` the
+    alternatives when it is exactly ``(b1|b2|...)`` (so that unions splice them instead of nesting)."""
+
+    text: str
+    atom: bool
+    branches: tuple[str, ...] | None = None
+
+
+_EPS = _R("", True)  # the empty string
+
+
+class _Rx:
+    """Builds regex fragments; ``None`` is the empty language. Every result longer than
+    ``max_chars`` raises InputTooLargeError at once, so nothing huge is ever built."""
+
+    def __init__(self, max_chars: int):
+        self.max_chars = max_chars
+
+    def make(self, text: str, atom: bool, branches: tuple[str, ...] | None = None) -> _R:
+        if len(text) > self.max_chars:
+            var = ENV_VARS["max_regex_chars"]
+            raise InputTooLargeError(
+                f"the regex converted from the JSON schema is too large: at least {len(text)} characters, "
+                f"over the limit max_regex_chars={self.max_chars} (raise it with the environment variable "
+                f"{var})",
+                limit_name="max_regex_chars", env_var=var, limit=self.max_chars, measured=len(text),
+            )
+        return _R(text, atom, branches)
+
+    def lit(self, text: str) -> _R:
+        if not text:
+            return _EPS
+        return self.make(escape_literal(text), len(text) == 1)
+
+    @staticmethod
+    def group(r: _R) -> str:
+        return r.text if r.atom else "(" + r.text + ")"
+
+    def cat(self, *parts: _R | None) -> _R | None:
+        if any(p is None for p in parts):
+            return None
+        parts = [p for p in parts if p is not _EPS and p.text]
+        if not parts:
+            return _EPS
+        if len(parts) == 1:
+            return parts[0]
+        return self.make("".join(p.text for p in parts), False)
+
+    def alt(self, parts: Iterable[_R | None]) -> _R | None:
+        """Union; alternatives of alternations are spliced in, duplicates dropped, ``(...)?`` when one
+        part is the empty string."""
+        seen: dict[str, _R] = {}
+        has_eps = False
+        for p in parts:
+            if p is None:
+                continue
+            if not p.text:
+                has_eps = True
+                continue
+            for b in p.branches or (p.text,):
+                if b not in seen:
+                    seen[b] = p if p.branches is None else _R(b, False)
+        if not seen:
+            return _EPS if has_eps else None
+        if len(seen) == 1:
+            (r,) = seen.values()
+        else:
+            r = self.make("(" + "|".join(seen) + ")", True, tuple(seen))
+        return self.opt(r) if has_eps else r
+
+    def opt(self, r: _R | None) -> _R:
+        if r is None or not r.text:
+            return _EPS
+        return self.make(self.group(r) + "?", False)
+
+    def rep(self, r: _R | None, lo: int, hi: int | None) -> _R | None:
+        if hi is not None and hi < lo:
+            return None
+        if r is None:
+            return _EPS if lo == 0 else None
+        if not r.text or hi == 0:
+            return _EPS
+        if lo == 1 and hi == 1:
+            return r
+        if (lo, hi) == (0, 1):
+            return self.opt(r)
+        q = {(0, None): "*", (1, None): "+"}.get((lo, hi))
+        if q is None:
+            q = "{%d}" % lo if lo == hi else "{%d,}" % lo if hi is None else "{%d,%d}" % (lo, hi)
+        return self.make(self.group(r) + q, False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fixed pieces of JSON
+# --------------------------------------------------------------------------------------------------
+
+_HEX = "[0-9a-fA-F]"
+#: \\u escapes of non-surrogates (U+D800-U+DFFF excluded: a pair counts 1 character, 2 escapes)
+_U_ESCAPE = rf"u([0-9a-cA-CefEF]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
+_STRING_CHAR = r'([^"\\\x00-\x1f]|\\(["\\/bfnrt]|' + _U_ESCAPE + "))"
+_RAW_CHAR_CPS = frozenset(range(0x20)) | {ord('"'), ord("\\")}  # what a raw class must exclude
+_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+_INTEGER = r"-?(0|[1-9][0-9]*)"
+
+_YEAR = r"([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    rf"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    rf"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
+)
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+_FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": _DATE + "T" + _TIME,
+    "uuid": rf"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
+    "ipv4": rf"{_OCTET}(\.{_OCTET}){{3}}",
+    "email": rf"{_ATEXT}+(\.{_ATEXT}+)*@{_LABEL}(\.{_LABEL})+",
+}
+
+_FORMAT_LENGTHS: dict[str, tuple[int, int | None]] = {}  # (min, max) length of each format, on first use
+
+# --------------------------------------------------------------------------------------------------
+# Integer and number ranges
+# --------------------------------------------------------------------------------------------------
+
+_ALL_DIGITS = frozenset("0123456789")
+_LAST_DIGITS = {1: _ALL_DIGITS, 2: frozenset("02468"), 5: frozenset("05"), 10: frozenset("0")}
+
+
+def _digit_class(lo: int, hi: int, allowed: frozenset = _ALL_DIGITS) -> str | None:
+    ds = [d for d in range(lo, hi + 1) if str(d) in allowed]
+    if not ds:
+        return None
+    if len(ds) == 1:
+        return str(ds[0])
+    if ds == list(range(ds[0], ds[-1] + 1)):
+        return f"[{ds[0]}-{ds[-1]}]" if len(ds) > 2 else f"[{ds[0]}{ds[1]}]"
+    return "[" + "".join(map(str, ds)) + "]"
+
+
+def _free_digits(k: int, last: frozenset) -> str | None:
+    """``k`` free digit positions whose last one is in ``last``."""
+    if k == 0:
+        return ""
+    if last == _ALL_DIGITS:
+        return "[0-9]" + _quant(k, k)
+    tail = _digit_class(0, 9, last)
+    if tail is None:
+        return None
+    if k == 1:
+        return tail
+    lead = "[0-9]" if k == 2 else "[0-9]{%d}" % (k - 1)
+    return lead + tail
+
+
+def _same_length_blocks(lo: int, hi: int, last: frozenset) -> list[str]:
+    """Flat alternatives ``prefix[a-b][0-9]{k}`` covering the integers lo..hi (same digit count, no
+    leading zero), restricted to last digits in ``last``. At most ~20 blocks per digit."""
+    n = len(str(lo))
+    out = []
+    x = lo
+    while x <= hi:
+        k = 0
+        while k + 1 < n and x % 10 ** (k + 1) == 0 and x + 10 ** (k + 1) - 1 <= hi:
+            k += 1
+        step = 10**k
+        d = (x // step) % 10
+        c = min(10 - d, (hi - x + 1) // step)
+        s = str(x)
+        prefix = s[: n - k - 1]
+        if k == 0:
+            cls = _digit_class(d, d + c - 1, last)
+            text = None if cls is None else prefix + cls
+        else:
+            free = _free_digits(k, last)
+            text = None if free is None else prefix + _digit_class(d, d + c - 1) + free
+        if text is not None:
+            out.append(text)
+        x += c * step
+    return out
+
+
+def _quant(lo: int, hi: int | None) -> str:
+    """Quantifier text for {lo,hi} (hi None: unbounded); "" for exactly one."""
+    if hi is None:
+        return "*" if lo == 0 else "+" if lo == 1 else "{%d,}" % lo
+    if lo == hi:
+        return "" if lo == 1 else "{%d}" % lo
+    return "?" if (lo, hi) == (0, 1) else "{%d,%d}" % (lo, hi)
+
+
+def _more_digits(k_min: int, last: frozenset, k_max: int | None = None) -> str | None:
+    """Between ``k_min`` (>= 1) and ``k_max`` (None: unbounded) digits, the last one in ``last``."""
+    if last == _ALL_DIGITS:
+        return "[0-9]" + _quant(k_min, k_max)
+    tail = _digit_class(0, 9, last)
+    if tail is None:
+        return None
+    hi = None if k_max is None else k_max - 1
+    return ("" if hi == 0 else "[0-9]" + _quant(k_min - 1, hi)) + tail
+
+
+def _natural_range(lo: int, hi: int | None, last: frozenset = _ALL_DIGITS) -> list[str]:
+    """Flat alternatives matching the canonical decimal naturals in [lo, hi] (hi None: unbounded) whose
+    last digit is in ``last``: per digit count, the aligned blocks of :func:`_same_length_blocks`; runs of
+    digit counts that are entirely inside the range as one ``[1-9][0-9]{a,b}``."""
+    out: list[str] = []
+    if hi is not None and hi < lo:
+        return out
+    n_hi = None if hi is None else len(str(hi))
+    d = len(str(lo))
+    while n_hi is None or d <= n_hi:
+        first = 0 if d == 1 else 10 ** (d - 1)
+        a = max(lo, first)
+        if hi is not None and d == n_hi:  # last digit count: up to hi
+            more = _more_digits(d - 1, last, d - 1) if d > 1 and a == first and hi == 10**d - 1 else None
+            if more is not None:
+                out.append("[1-9]" + more)
+            elif not (d > 1 and a == first and hi == 10**d - 1):
+                out.extend(_same_length_blocks(a, hi, last))
+            break
+        if d > 1 and a == first:  # every number of d digits or more, up to the last full digit count
+            top = None if hi is None else (n_hi if hi == 10**n_hi - 1 else n_hi - 1)
+            more = _more_digits(d - 1, last, None if top is None else top - 1)
+            if more is not None:
+                out.append("[1-9]" + more)
+            if top is None or top == n_hi:
+                break
+            d = n_hi
+            continue
+        out.extend(_same_length_blocks(a, 10**d - 1, last))
+        d += 1
+    return [t for t in out if t]
+
+
+# --------------------------------------------------------------------------------------------------
+# Pattern (ECMA-262) translation
+# --------------------------------------------------------------------------------------------------
+
+_SIMPLE_ESCAPES = set("dswDStnrfv0xu") | set("\\.*+?()[]{}|^$/-")
+_UNICODE_SETS: dict[str, frozenset] = {}
+
+
+def _unicode_set(kind: str) -> frozenset:
+    """Code points of Python's Unicode ``\\d`` (kind "d") or ``\\s`` plus ECMA-262's white space (kind
+    "s"); computed once per process (~0.1 s)."""
+    if kind not in _UNICODE_SETS:
+        if kind == "d":
+            cps = {cp for cp in range(0x110000) if unicodedata.category(chr(cp)) == "Nd"}
+        else:
+            cps = {cp for cp in range(0x3100) if chr(cp).isspace()} | {0xFEFF, 0x3000}
+            cps |= {0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0xA0, 0x1680, 0x2028, 0x2029, 0x202F, 0x205F}
+            cps |= set(range(0x2000, 0x200B))
+        _UNICODE_SETS[kind] = frozenset(cps)
+    return _UNICODE_SETS[kind]
+
+
+def _len_bounds(node) -> tuple[int, int | None]:
+    """(min, max) length in characters of the strings of a :func:`parse_regex` tree (max None: unbounded)."""
+    kind = node[0]
+    if kind == "sym":
+        return 1, 1
+    if kind == "eps":
+        return 0, 0
+    if kind == "cat":
+        lo, hi = 0, 0
+        for c in node[1]:
+            a, b = _len_bounds(c)
+            lo += a
+            hi = None if hi is None or b is None else hi + b
+        return lo, hi
+    if kind == "alt":
+        bs = [_len_bounds(c) for c in node[1]]
+        return min(b[0] for b in bs), (None if any(b[1] is None for b in bs) else max(b[1] for b in bs))
+    a, b = _len_bounds(node[1])
+    n_lo, n_hi = node[2], node[3]
+    if n_hi == 0 or b == 0:
+        return a * n_lo, 0
+    return a * n_lo, (None if n_hi is None or b is None else b * n_hi)
+
+
+# --------------------------------------------------------------------------------------------------
+# JSON values
+# --------------------------------------------------------------------------------------------------
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """JSON Schema equality: numbers by value (1 == 1.0), booleans distinct from numbers."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _compact(value: Any) -> str | None:
+    """Compact JSON text of ``value`` (keys as given), or None for NaN / infinities (not JSON)."""
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The converter
+# --------------------------------------------------------------------------------------------------
+
+
+class _Converter:
+    """One conversion: the document, the whitespace fragment, limits, deadline, memo tables."""
+
+    def __init__(self, root: Any, ws: _R, max_chars: int, deadline: float | None):
+        self.root = root
+        self.rx = _Rx(max_chars)
+        self.ws = ws
+        self.deadline = deadline
+        self.steps = 0
+        self.stack: list[str] = []  # ref targets being expanded on the current path
+        self.ref_memo: dict[tuple[str, int], _R | None] = {}
+        self.flat_memo: dict[str, tuple[Any, tuple[str, ...]]] = {}
+        self.targets: dict[str, Any] = {}  # resolved ref pointer -> schema
+        self.any_memo: dict[int, _R] = {}
+        self._validator = None
+        self.sep = self.rx.cat(self.rx.lit(","), ws)
+        self.colon = self.rx.cat(self.rx.lit(":"), ws)
+        self.string_char = self.rx.make(_STRING_CHAR, True)
+        self.string = self.rx.make('"' + _STRING_CHAR + '*"', False)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            raise CompileBudgetError(
+                f"JSON schema conversion exceeded its work budget of {MAX_STEPS} steps; simplify the schema",
+                None)
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise CompileBudgetError("JSON schema conversion exceeded the compile time budget "
+                                     "(VLLM_FST_COMPILE_BUDGET_S)", None)
+
+    @contextmanager
+    def expanding(self, refs: Iterable[str]):
+        refs = list(refs)
+        self.stack.extend(refs)
+        try:
+            yield
+        finally:
+            del self.stack[len(self.stack) - len(refs):]
+
+    @staticmethod
+    def refuse(keyword: str, ptr: str, why: str, regular: bool = True) -> UnsupportedSchemaError:
+        return UnsupportedSchemaError(f"JSON schema keyword '{keyword}' {_where(ptr)}: {why}",
+                                      keyword=keyword, pointer=ptr, regular=regular)
+
+    @staticmethod
+    def invalid(keyword: str, ptr: str, why: str) -> InvalidSchemaError:
+        return InvalidSchemaError(f"invalid JSON schema: '{keyword}' {_where(ptr)} {why}",
+                                  keyword=keyword, pointer=ptr)
+
+    # ---- keyword value checks ----------------------------------------------------------------
+
+    def check_keywords(self, d: dict, ptr: str) -> None:
+        for k in d:
+            if not isinstance(k, str):
+                raise self.invalid(str(k), ptr, "is not a string keyword")
+            if k in _KNOWN:
+                continue
+            if k in _OLDER_DRAFTS:
+                raise self.refuse(k, ptr, "is a keyword of an older JSON Schema draft; use its draft 2020-12 "
+                                          "equivalent")
+            if k in ("$dynamicRef",):
+                raise self.refuse(k, ptr, "dynamic references are not supported", regular=False)
+            raise self.refuse(k, ptr, "unknown keyword (refused rather than ignored)")
+        if "$id" in d and ptr != "":
+            raise self.refuse("$id", ptr, "embedded schema resources ($id below the root) are not supported")
+        if "type" in d:
+            self.types_of_keyword(d["type"], ptr)
+
+    def types_of_keyword(self, t: Any, ptr: str) -> set[str]:
+        if isinstance(t, str):
+            names = [t]
+        elif isinstance(t, list) and t:
+            names = t
+        else:
+            raise self.invalid("type", ptr, f"must be a type name or a non-empty list of them, got {t!r}")
+        out = set()
+        for n in names:
+            if n not in _TYPE_NAMES:
+                raise self.invalid("type", ptr, f"names an unknown type {n!r} (known: {', '.join(_TYPE_NAMES)})")
+            out.add(n)
+        if len(out) != len(names):
+            raise self.invalid("type", ptr, "lists a type twice")
+        return out
+
+    def nonneg_int(self, d: dict, key: str, ptr: str, default: int | None = None) -> int | None:
+        if key not in d:
+            return default
+        v = d[key]
+        if not _is_number(v) or v < 0 or (isinstance(v, float) and not v.is_integer()):
+            raise self.invalid(key, ptr, f"must be a non-negative integer, got {v!r}")
+        return int(v)
+
+    def number(self, d: dict, key: str, ptr: str):
+        v = d.get(key)
+        if v is None and key not in d:
+            return None
+        if isinstance(v, bool) and key.startswith("exclusive"):
+            raise self.refuse(key, ptr, "the draft-4 boolean form is not supported (use a number)")
+        if not _is_number(v) or (isinstance(v, float) and not math.isfinite(v)):
+            raise self.invalid(key, ptr, f"must be a finite number, got {v!r}")
+        return v
+
+    def schema_value(self, v: Any, key: str, ptr: str) -> Any:
+        if not isinstance(v, (dict, bool)):
+            raise self.invalid(key, ptr, f"must be a schema (object or boolean), got {type(v).__name__}")
+        return v
+
+    def schema_list(self, d: dict, key: str, ptr: str) -> list:
+        v = d[key]
+        if not isinstance(v, list) or not v:
+            raise self.invalid(key, ptr, "must be a non-empty array of schemas")
+        for s in v:
+            self.schema_value(s, key, ptr)
+        return v
+
+    def schema_map(self, d: dict, key: str, ptr: str) -> dict:
+        v = d.get(key, {})
+        if not isinstance(v, dict):
+            raise self.invalid(key, ptr, f"must be an object of schemas, got {type(v).__name__}")
+        for s in v.values():
+            self.schema_value(s, key, ptr)
+        return v
+
+    def string_list(self, d: dict, key: str, ptr: str) -> list[str]:
+        v = d.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise self.invalid(key, ptr, f"must be an array of strings, got {v!r}")
+        if len(set(v)) != len(v):
+            raise self.invalid(key, ptr, "lists a name twice")
+        return v
+
+    # ---- $ref --------------------------------------------------------------------------------
+
+    def resolve(self, ref: Any, ptr: str) -> tuple[str, Any]:
+        """(canonical pointer, target) of a local ``$ref``."""
+        if not isinstance(ref, str):
+            raise self.invalid("$ref", ptr, f"must be a string, got {type(ref).__name__}")
+        if not ref.startswith("#"):
+            raise self.refuse("$ref", ptr, f"only references within the document ('#...') are supported, "
+                                           f"not {ref!r}")
+        frag = unquote(ref[1:])
+        if frag and not frag.startswith("/"):
+            raise self.refuse("$ref", ptr, f"references to anchors ({ref!r}) are not supported")
+        node = self.root
+        tokens = frag.split("/")[1:] if frag else []
+        for raw in tokens:
+            tok = raw.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and tok in node:
+                if node is not self.root and "$id" in node:
+                    raise self.refuse("$ref", ptr, f"{ref!r} points into an embedded resource ($id)")
+                node = node[tok]
+            elif isinstance(node, list) and re.fullmatch(r"0|[1-9][0-9]*", tok) and int(tok) < len(node):
+                node = node[int(tok)]
+            else:
+                raise self.invalid("$ref", ptr, f"does not resolve: {ref!r} (no {tok!r})")
+        if not isinstance(node, (dict, bool)):
+            raise self.invalid("$ref", ptr, f"{ref!r} points to a {type(node).__name__}, not a schema")
+        target = _ptr_join("", *[t.replace("~1", "/").replace("~0", "~") for t in tokens])
+        self.targets[target] = node
+        return target, node
+
+    def recursion(self, target: str, ptr: str) -> UnsupportedSchemaError:
+        return self.refuse("$ref", ptr, f"recursive reference to #{target}: a recursive schema is not a regular "
+                                        f"language", regular=False)
+
+    # ---- flattening (inline $ref and allOf, merge) -------------------------------------------
+
+    def flatten(self, schema: Any, ptr: str) -> tuple[Any, tuple[str, ...]]:
+        """``schema`` with its top-level ``$ref`` and ``allOf`` merged in and annotations dropped: a dict
+        without those keywords, or a boolean. Also returns the ref targets inlined (to keep on the
+        recursion stack while converting the result)."""
+        self.tick()
+        if isinstance(schema, bool):
+            return schema, ()
+        if not isinstance(schema, dict):
+            raise InvalidSchemaError(f"invalid JSON schema {_where(ptr)}: a schema must be an object or a "
+                                     f"boolean, got {type(schema).__name__}", pointer=ptr)
+        self.check_keywords(schema, ptr)
+        own = {k: v for k, v in schema.items() if k not in _ANNOTATIONS and k not in ("$ref", "allOf", "$id")}
+        children: list[tuple[Any, str]] = []
+        refs: list[str] = []
+        if "$ref" in schema:
+            target_ptr, _ = self.resolve(schema["$ref"], ptr)
+            flat, inner = self.flatten_ref(target_ptr, ptr)
+            children.append((flat, _ptr_join(ptr, "$ref")))
+            refs.extend((target_ptr, *inner))
+        if "allOf" in schema:
+            for i, sub in enumerate(self.schema_list(schema, "allOf", ptr)):
+                sub_ptr = _ptr_join(ptr, "allOf", i)
+                with self.expanding(refs):
+                    flat, inner = self.flatten(sub, sub_ptr)
+                children.append((flat, sub_ptr))
+                refs.extend(inner)
+        if not children:
+            return own, ()
+        return self.merge_children(own, children, ptr), tuple(refs)
+
+    def flatten_ref(self, target_ptr: str, ptr: str) -> tuple[Any, tuple[str, ...]]:
+        if target_ptr in self.stack:
+            raise self.recursion(target_ptr, ptr)
+        if target_ptr not in self.flat_memo:
+            with self.expanding([target_ptr]):
+                self.flat_memo[target_ptr] = self.flatten(self.targets[target_ptr], target_ptr)
+        flat, inner = self.flat_memo[target_ptr]
+        for r in inner:
+            if r in self.stack:
+                raise self.recursion(r, ptr)
+        return flat, inner
+
+    def merge_children(self, parent: dict, children: list[tuple[Any, str]], ptr: str) -> Any:
+        """Conjunction of ``parent`` (a flattened dict) and flattened ``children`` (its in-place
+        applicators), or refuse when it cannot be written as one schema exactly."""
+        if any(c is False for c, _ in children):
+            return False
+        dicts = [(c, p) for c, p in children if isinstance(c, dict)]
+        for i, (c, cptr) in enumerate(dicts):
+            for kw, evaluators in _EVALUATES.items():
+                if kw not in c:
+                    continue
+                outside = set(parent) | {k for j, (o, _) in enumerate(dicts) if j != i for k in o}
+                if outside & evaluators:
+                    raise self.refuse(kw, cptr, "inside an allOf/anyOf/oneOf/$ref alternative whose siblings "
+                                                "evaluate properties/items is not supported")
+        out: Any = dict(parent)
+        for c, cptr in dicts:
+            out = self.merge(out, c, cptr)
+            if out is False:
+                return False
+        return out
+
+    def merge(self, a: dict, b: dict, ptr: str) -> Any:
+        """``a`` ∧ ``b`` as one dict (False when contradictory); refuses interacting keywords."""
+        self.tick()
+        for group in _ADJACENT:
+            if group & a.keys() and group & b.keys() and any(
+                    not _json_equal(a.get(k, _MISSING), b.get(k, _MISSING)) for k in group):
+                if group & (a.keys() | b.keys()) == {"properties"}:
+                    continue  # properties alone on both sides: merged name by name (combine)
+                kws = "/".join(sorted(group & (a.keys() | b.keys())))
+                raise self.refuse("allOf", ptr, f"cannot merge schemas that both use {kws} (they interact)")
+        out = dict(a)
+        for k, v in b.items():
+            if k not in out:
+                out[k] = v
+                continue
+            if _json_equal(out[k], v):
+                continue
+            combined = self.combine(k, out[k], v, ptr)
+            if combined is _CONTRADICTION:
+                return False
+            out[k] = combined
+        return out
+
+    def combine(self, k: str, x: Any, y: Any, ptr: str) -> Any:
+        if k == "type":
+            tx, ty = self.norm_types(x, ptr), self.norm_types(y, ptr)
+            both = [t for t in _TYPE_NAMES if t in _type_meet(tx, ty)]
+            return both if both else _CONTRADICTION
+        if k == "required":
+            return list(dict.fromkeys(self.string_list({k: x}, k, ptr) + self.string_list({k: y}, k, ptr)))
+        if k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            vx, vy = self.number({k: x}, k, ptr), self.number({k: y}, k, ptr)
+            return max(vx, vy) if "inimum" in k else min(vx, vy)
+        if k in ("minLength", "minItems", "minProperties", "minContains"):
+            return max(self.nonneg_int({k: x}, k, ptr), self.nonneg_int({k: y}, k, ptr))
+        if k in ("maxLength", "maxItems", "maxProperties", "maxContains"):
+            return min(self.nonneg_int({k: x}, k, ptr), self.nonneg_int({k: y}, k, ptr))
+        if k == "enum":
+            if not isinstance(x, list) or not isinstance(y, list):
+                raise self.invalid("enum", ptr, "must be an array")
+            return [v for v in x if any(_json_equal(v, w) for w in y)]
+        if k == "const":
+            return _CONTRADICTION
+        if k == "properties":  # both sides' subschemas apply to a common name
+            px, py = self.schema_map({k: x}, k, ptr), self.schema_map({k: y}, k, ptr)
+            out = dict(px)
+            for name, sub in py.items():
+                out[name] = sub if name not in out or _json_equal(out[name], sub) else {"allOf": [out[name], sub]}
+            return out
+        if k == "uniqueItems":
+            return bool(x) or bool(y)
+        raise self.refuse("allOf", ptr, f"cannot merge two different '{k}' values into one schema")
+
+    def norm_types(self, t: Any, ptr: str) -> set[str]:
+        return self.types_of_keyword(t, ptr)
+
+    # ---- conversion entry points ---------------------------------------------------------------
+
+    def any_depth(self, nest: int) -> int:
+        return max(ANY_VALUE_DEPTH - nest, 0)
+
+    def node(self, schema: Any, ptr: str, nest: int) -> _R | None:
+        """Regex of a schema found in the document at ``ptr``; ``nest`` = containers around the value."""
+        self.tick()
+        if isinstance(schema, dict) and "$ref" in schema and not (schema.keys() - _ANNOTATIONS - {"$ref"}):
+            target_ptr, _ = self.resolve(schema["$ref"], ptr)
+            return self.ref(target_ptr, ptr, nest)
+        flat, refs = self.flatten(schema, ptr)
+        with self.expanding(refs):
+            return self.flat(flat, ptr, nest, schema)
+
+    def ref(self, target_ptr: str, ptr: str, nest: int) -> _R | None:
+        if target_ptr in self.stack:
+            raise self.recursion(target_ptr, ptr)
+        key = (target_ptr, self.any_depth(nest))
+        if key not in self.ref_memo:
+            with self.expanding([target_ptr]):
+                self.ref_memo[key] = self.node(self.targets[target_ptr], target_ptr, nest)
+        return self.ref_memo[key]
+
+    def flat(self, d: Any, ptr: str, nest: int, origin: Any) -> _R | None:
+        """Regex of a flattened schema; ``origin`` is an equivalent-or-stronger document schema that
+        ``enum`` candidates are validated against."""
+        self.tick()
+        if d is False:
+            return None
+        if d is True:
+            return self.any_value(nest)
+        self.check_keywords(d, ptr)
+        if "enum" in d or "const" in d:
+            return self.enum(d, ptr, origin)
+        if "anyOf" in d or "oneOf" in d:
+            return self.combinator(d, ptr, nest, origin)
+        if "not" in d:
+            d = self.not_keyword(d, ptr)
+            if d is False:
+                return None
+        if "if" in d:
+            raise self.refuse("if", ptr, "if/then/else is not supported")
+        return self.typed(d, ptr, nest)
+
+    def not_keyword(self, d: dict, ptr: str) -> Any:
+        sub, _ = self.flatten(self.schema_value(d["not"], "not", ptr), _ptr_join(ptr, "not"))
+        if sub is False:
+            return {k: v for k, v in d.items() if k != "not"}
+        if sub is True or sub == {}:
+            return False
+        raise self.refuse("not", ptr, "negation is not supported (only 'not: false')")
+
+    # ---- enum / const --------------------------------------------------------------------------
+
+    def validator(self):
+        if self._validator is None:
+            try:
+                from jsonschema import Draft202012Validator
+            except ImportError:  # pragma: no cover - jsonschema ships with vLLM
+                raise UnsupportedSchemaError("enum/const next to other keywords needs the jsonschema package",
+                                             keyword="enum") from None
+            # the draft's own format checker (FormatChecker() also holds draft 3's "time", without offset)
+            self._validator = Draft202012Validator(self.root, format_checker=Draft202012Validator.FORMAT_CHECKER)
+        return self._validator
+
+    def enum(self, d: dict, ptr: str, origin: Any) -> _R | None:
+        """The ``const`` / ``enum`` values (compact JSON) that are valid against ``origin``."""
+        if "const" in d:
+            values, kw = [d["const"]], "const"
+        else:
+            values, kw = d["enum"], "enum"
+            if not isinstance(values, list):
+                raise self.invalid("enum", ptr, f"must be an array, got {type(values).__name__}")
+        validator = None
+        if not (isinstance(origin, dict) and origin.keys() <= _ANNOTATIONS | {"enum", "const"}):
+            validator = self.validator().evolve(schema=origin)
+        alts = []
+        for v in values:
+            self.tick()
+            text = _compact(v)
+            if text is None or (validator is not None and not self.valid(validator, v, kw, ptr)):
+                continue
+            alts.append(self.rx.lit(text))
+        return self.rx.alt(alts)
+
+    def valid(self, validator, value: Any, kw: str, ptr: str) -> bool:
+        try:
+            return bool(validator.is_valid(value))
+        except RecursionError:
+            raise self.refuse(kw, ptr, "checking the values against the schema recursed too deeply",
+                              regular=False) from None
+        except Exception as e:  # noqa: BLE001 - jsonschema / referencing errors of many kinds
+            raise self.refuse(kw, ptr, f"cannot check the values against the rest of the schema: {e}") from None
+
+    # ---- anyOf / oneOf -------------------------------------------------------------------------
+
+    def combinator(self, d: dict, ptr: str, nest: int, origin: Any) -> _R | None:
+        kw = "anyOf" if "anyOf" in d else "oneOf"  # with both: anyOf first, oneOf inside each alternative
+        rest = {k: v for k, v in d.items() if k != kw}
+        results, merged = [], []
+        for i, sub in enumerate(self.schema_list(d, kw, ptr)):
+            sub_ptr = _ptr_join(ptr, kw, i)
+            flat, refs = self.flatten(sub, sub_ptr)
+            with self.expanding(refs):
+                m = self.merge_children(rest, [(flat, sub_ptr)], sub_ptr) if rest else flat
+                # enum candidates are checked against the alternative itself (m is rest ∧ alternative,
+                # exactly or smaller), so an empty result means an empty alternative
+                r = self.flat(m, sub_ptr, nest, m if isinstance(m, dict) else origin)
+            results.append(r)
+            merged.append(m)  # all of them: a regex may be empty where the alternative is not
+        if kw == "oneOf":
+            for i in range(len(merged)):
+                for j in range(i + 1, len(merged)):
+                    if not self.disjoint(merged[i], merged[j], 0):
+                        raise self.refuse("oneOf", ptr, f"alternatives are not provably disjoint (e.g. "
+                                                        f"different types, const values or numeric ranges); "
+                                                        f"use anyOf if overlap is acceptable")
+        return self.rx.alt(results)
+
+    def disjoint(self, a: Any, b: Any, depth: int) -> bool:
+        """True only when no instance is valid against both flattened schemas ``a`` and ``b``."""
+        self.tick()
+        if a is False or b is False:
+            return True
+        if a is True or b is True or depth > 8:
+            return False
+        for x, y in ((a, b), (b, a)):
+            vals = _finite_values(x)
+            if vals is not None:
+                try:
+                    vx = self.validator().evolve(schema=x)
+                    vy = self.validator().evolve(schema=y)
+                    return not any(vx.is_valid(v) and vy.is_valid(v) for v in vals)
+                except Exception:  # noqa: BLE001
+                    return False
+        common = self.type_atoms(a) & self.type_atoms(b)
+        return all(self.disjoint_for_type(t, a, b, depth) for t in common)
+
+    def type_atoms(self, d: dict) -> set[str]:
+        if "anyOf" in d or "oneOf" in d:
+            subs = d.get("anyOf") or d.get("oneOf")
+            out: set[str] = set()
+            for s in subs if isinstance(subs, list) else []:
+                try:
+                    flat, _ = self.flatten(s, "")
+                except (UnsupportedSchemaError, InvalidSchemaError):
+                    return set(_ATOMS)
+                out |= set(_ATOMS) if flat is True else set() if flat is False else self.type_atoms(flat)
+            if "type" in d:
+                out &= _atoms(self.norm_types(d["type"], ""))
+            return out
+        if "type" not in d:
+            return set(_ATOMS)
+        return _atoms(self.norm_types(d["type"], ""))
+
+    def disjoint_for_type(self, t: str, a: dict, b: dict, depth: int) -> bool:
+        if t in ("integer", "fraction"):
+            return _ranges_disjoint(_numeric_range(a), _numeric_range(b))
+        if t != "object":
+            return False
+        for x, y in ((a, b), (b, a)):
+            for name in x.get("required", []) if isinstance(x.get("required"), list) else []:
+                sx, sy = _property_schema(x, name), _property_schema(y, name)
+                try:
+                    fx, _ = self.flatten(sx, "")
+                    fy, _ = self.flatten(sy, "")
+                except (UnsupportedSchemaError, InvalidSchemaError):
+                    continue
+                if self.disjoint(fx, fy, depth + 1):  # x requires the property, y cannot give it x's values
+                    return True
+        return False
+
+    # ---- types -----------------------------------------------------------------------------------
+
+    def typed(self, d: dict, ptr: str, nest: int) -> _R | None:
+        types = self.norm_types(d["type"], ptr) if "type" in d else set(_TYPE_NAMES)
+        if "number" in types:
+            types.discard("integer")
+        if not (d.keys() - {"type"}) and types >= {"null", "boolean", "object", "array", "string", "number"}:
+            return self.any_value(nest)
+        parts = []
+        for t in _TYPE_ORDER:
+            if t in types:
+                parts.append(getattr(self, "type_" + t)(d, ptr, nest))
+        return self.rx.alt(parts)
+
+    def type_null(self, d: dict, ptr: str, nest: int) -> _R:
+        return self.rx.lit("null")
+
+    def type_boolean(self, d: dict, ptr: str, nest: int) -> _R:
+        return self.rx.make("(true|false)", True)
+
+    # ---- numbers -------------------------------------------------------------------------------
+
+    def type_integer(self, d: dict, ptr: str, nest: int) -> _R | None:
+        last = self.multiple_of(d, ptr)
+        lo, hi = self.integer_bounds(d, ptr)
+        if lo is None and hi is None and last == _ALL_DIGITS:
+            return self.rx.make(_INTEGER, False)
+        return self.int_range(lo, hi, last)
+
+    def integer_bounds(self, d: dict, ptr: str) -> tuple[int | None, int | None]:
+        lo = hi = None
+        for kw in ("minimum", "exclusiveMinimum"):
+            v = self.number(d, kw, ptr)
+            if v is not None:
+                f = Fraction(v)
+                b = math.ceil(f) if kw == "minimum" else math.floor(f) + 1
+                lo = b if lo is None else max(lo, b)
+        for kw in ("maximum", "exclusiveMaximum"):
+            v = self.number(d, kw, ptr)
+            if v is not None:
+                f = Fraction(v)
+                b = math.floor(f) if kw == "maximum" else math.ceil(f) - 1
+                hi = b if hi is None else min(hi, b)
+        return lo, hi
+
+    def multiple_of(self, d: dict, ptr: str) -> frozenset:
+        """Allowed last digits for ``multipleOf`` (all digits when absent)."""
+        if "multipleOf" not in d:
+            return _ALL_DIGITS
+        m = d["multipleOf"]
+        if not _is_number(m) or not math.isfinite(m) or m <= 0:
+            raise self.invalid("multipleOf", ptr, f"must be a number > 0, got {m!r}")
+        if (isinstance(m, int) or m.is_integer()) and int(m) in _LAST_DIGITS:
+            return _LAST_DIGITS[int(m)]
+        raise self.refuse("multipleOf", ptr, f"multipleOf {m!r} is not supported (only 1, 2, 5 and 10)")
+
+    def int_range(self, lo: int | None, hi: int | None, last: frozenset = _ALL_DIGITS) -> _R | None:
+        """Canonical decimal integers in [lo, hi] (None: unbounded) with last digit in ``last``; one flat
+        alternation (no nested groups, whatever the number of digits)."""
+        if lo is not None and hi is not None and lo > hi:
+            return None
+        texts = []
+        if lo is None or lo < 0:  # negative numbers: "-" + magnitude in [m_lo, m_hi]
+            m_lo = 1 if hi is None or hi >= 0 else -hi
+            texts += ["-" + t for t in _natural_range(m_lo, None if lo is None else -lo, last)]
+        if hi is None or hi >= 0:
+            texts += _natural_range(max(lo or 0, 0), hi, last)
+        return self.alts(texts)
+
+    def alts(self, texts: list[str]) -> _R | None:
+        self.tick()
+        if not texts:
+            return None
+        if len(texts) == 1:
+            return self.rx.make(texts[0], bool(re.fullmatch(r"\[[^\]]*\]|[0-9]", texts[0])))
+        return self.rx.make("(" + "|".join(texts) + ")", True, tuple(texts))
+
+    def type_number(self, d: dict, ptr: str, nest: int) -> _R | None:
+        if "multipleOf" in d:
+            return self.type_integer(d, ptr, nest)
+        if not (d.keys() & _NUMERIC_KW):
+            return self.rx.make(_NUMBER, False)
+        (lo, lo_x), (hi, hi_x) = self.number_bounds(d, ptr)
+        ints = self.int_range(None if lo is None else lo + lo_x, None if hi is None else hi - hi_x)
+        # non-integer numbers: the cell (c, c+1) of the integer part; cells c in [lo, hi - 1]
+        c_lo, c_hi = lo, None if hi is None else hi - 1
+        if c_lo is not None and c_hi is not None and c_lo > c_hi:
+            return ints
+        frac_any = self.rx.make(r"\.[0-9]+", False)
+        frac_edge = self.rx.make(r"\.[0-9]{0,8}[1-9]", False)
+        spans = []  # (first cell, last cell, fraction)
+        inner_lo = c_lo if c_lo is None or not lo_x else c_lo + 1
+        inner_hi = c_hi if c_hi is None or not hi_x else c_hi - 1
+        if lo_x:
+            spans.append((c_lo, c_lo, frac_edge))
+        if hi_x and not (lo_x and c_hi == c_lo):
+            spans.append((c_hi, c_hi, frac_edge))
+        if inner_lo is None or inner_hi is None or inner_lo <= inner_hi:
+            spans.append((inner_lo, inner_hi, frac_any))
+        parts = [ints]
+        for a, b, frac in spans:
+            cells = self.cells(a, b, frac)
+            if frac is frac_any and ints is not None and cells and cells[0] == ints:
+                parts[0] = self.rx.cat(ints, self.rx.opt(frac))  # same integer parts: one branch
+            else:
+                parts.extend(self.rx.cat(c, frac) for c in cells)
+        return self.rx.alt(parts)
+
+    def cells(self, a: int | None, b: int | None, frac: _R) -> list[_R | None]:
+        """Numbers with a fraction whose value lies in the cells (c, c+1), c in [a, b] (None: unbounded)."""
+        texts = []
+        if b is None or b >= 0:  # positive cells: integer part c
+            texts += _natural_range(max(a, 0) if a is not None else 0, b)
+        if a is None or a <= -1:  # negative cells: "-" integer part -c-1
+            m_lo = 0 if b is None or b >= -1 else -b - 1
+            texts += ["-" + t for t in _natural_range(m_lo, None if a is None else -a - 1)]
+        return [self.alts(texts)] if texts else []
+
+    def number_bounds(self, d: dict, ptr: str):
+        """((lo, lo_exclusive), (hi, hi_exclusive)) as integers; refuses non-integer or too large bounds."""
+        def bound(incl_kw: str, excl_kw: str, tighter):
+            best = None
+            for kw, excl in ((incl_kw, False), (excl_kw, True)):
+                v = self.number(d, kw, ptr)
+                if v is None:
+                    continue
+                if isinstance(v, float) and not v.is_integer():
+                    raise self.refuse(kw, ptr, f"a non-integer bound ({v!r}) on a number is not supported")
+                v = int(v)
+                limit = _MAX_EXCLUSIVE_BOUND if excl else _MAX_SAFE_INT
+                if abs(v) > limit:
+                    raise self.refuse(kw, ptr, f"a number bound beyond ±{limit} is not supported")
+                if best is None or tighter((v, excl), best):
+                    best = (v, excl)
+            return best or (None, False)
+
+        lo = bound("minimum", "exclusiveMinimum", lambda n, o: n[0] > o[0] or (n[0] == o[0] and n[1]))
+        hi = bound("maximum", "exclusiveMaximum", lambda n, o: n[0] < o[0] or (n[0] == o[0] and n[1]))
+        return lo, hi
+
+    # ---- strings -------------------------------------------------------------------------------
+
+    def type_string(self, d: dict, ptr: str, nest: int) -> _R | None:
+        lo = self.nonneg_int(d, "minLength", ptr, 0)
+        hi = self.nonneg_int(d, "maxLength", ptr)
+        if hi is not None and hi < lo:
+            return None
+        if "format" in d or "pattern" in d:
+            if "format" in d and "pattern" in d:
+                raise self.refuse("pattern", ptr, "pattern together with format is not supported")
+            kw = "format" if "format" in d else "pattern"
+            content, (c_lo, c_hi) = self.format(d, ptr) if kw == "format" else self.pattern(d, ptr)
+            if c_lo < lo or (hi is not None and (c_hi is None or c_hi > hi)):
+                raise self.refuse(kw, ptr, f"{kw} together with minLength/maxLength is not supported (unless "
+                                           f"every {kw} match satisfies them)")
+            return self.rx.cat(self.rx.lit('"'), content, self.rx.lit('"'))
+        if lo == 0 and hi is None:
+            return self.string
+        return self.rx.cat(self.rx.lit('"'), self.rx.rep(self.string_char, lo, hi), self.rx.lit('"'))
+
+    def format(self, d: dict, ptr: str) -> tuple[_R, tuple[int, int | None]]:
+        fmt = d["format"]
+        if not isinstance(fmt, str):
+            raise self.invalid("format", ptr, f"must be a string, got {fmt!r}")
+        if fmt not in _FORMATS:
+            raise self.refuse("format", ptr, f"format {fmt!r} is not supported (supported: "
+                                             f"{', '.join(sorted(_FORMATS))})")
+        text = _FORMATS[fmt]
+        if fmt not in _FORMAT_LENGTHS:
+            _FORMAT_LENGTHS[fmt] = _len_bounds(parse_regex(text))
+        return self.rx.make(text, False), _FORMAT_LENGTHS[fmt]
+
+    def pattern(self, d: dict, ptr: str) -> tuple[_R, tuple[int, int | None]]:
+        pat = d["pattern"]
+        if not isinstance(pat, str):
+            raise self.invalid("pattern", ptr, f"must be a string, got {pat!r}")
+        body = self.prescan_pattern(pat, ptr)
+        left = body.startswith("^")
+        right = bool(re.search(r"(?<!\\)(\\\\)*\$$", body))
+        try:
+            tree = parse_regex(body, deadline=self.deadline, limits=InputLimits(max_regex_chars=self.rx.max_chars))
+        except (RegexError, InputTooLargeError) as e:
+            if isinstance(e, CompileBudgetError) or isinstance(e, InputTooLargeError):
+                raise
+            raise self.refuse("pattern", ptr, f"cannot translate {pat!r}: {e}") from None
+        content = self.emit_pattern(tree)
+        lo, hi = _len_bounds(tree)
+        anywhere = self.rx.rep(self.string_char, 0, None)
+        if not left:
+            content, hi = self.rx.cat(anywhere, content), None
+        if not right:
+            content, hi = self.rx.cat(content, anywhere), None
+        return content, (lo, hi)
+
+    def prescan_pattern(self, pat: str, ptr: str) -> str:
+        """Refuse constructs whose ECMA-262 and Python meanings differ; rewrite ``\\D`` / ``\\S``."""
+        out = []
+        i, n, in_class = 0, len(pat), False
+        while i < n:
+            c = pat[i]
+            if c == "\\" and i + 1 < n:
+                e = pat[i + 1]
+                if e not in _SIMPLE_ESCAPES:
+                    raise self.refuse("pattern", ptr, f"escape \\{e} in {pat!r} is not supported")
+                if e == "W" or (in_class and e in "DS"):
+                    raise self.refuse("pattern", ptr, f"\\{e} in {pat!r} means different things in ECMA-262 "
+                                                      f"and Python")
+                if e in "DS":
+                    excluded = _unicode_set(e.lower()) | _RAW_CHAR_CPS | {0x2028, 0x2029}
+                    out.append(_class_text(excluded, negated=True))
+                else:
+                    out.append(pat[i : i + 2])
+                i += 2
+                continue
+            if in_class:
+                in_class = c != "]"
+            elif c == "[":
+                if pat.startswith("[]", i) or pat.startswith("[^]", i):
+                    raise self.refuse("pattern", ptr, f"empty or negated-empty class in {pat!r}")
+                in_class = True
+                if pat.startswith("[^", i):
+                    out.append("[^")
+                    i += 2
+                    continue
+            elif c == "(" and pat.startswith("(?", i) and not pat.startswith("(?:", i):
+                raise self.refuse("pattern", ptr, f"group syntax '(?' in {pat!r} is not supported "
+                                                  f"(only '(?:')")
+            elif c == "{" and pat.startswith("{,", i):
+                raise self.refuse("pattern", ptr, f"'{{,n}}' in {pat!r} means different things in ECMA-262 "
+                                                  f"and Python")
+            out.append(c)
+            i += 1
+        return "".join(out)
+
+    def emit_pattern(self, node) -> _R | None:
+        """Regex over the JSON-escaped text for a :func:`parse_regex` tree over decoded characters."""
+        self.tick()
+        kind = node[0]
+        if kind == "sym":
+            chars, negated = node[1]
+            if negated:
+                excluded = {ord(c) for c in chars} | _RAW_CHAR_CPS | {0x2028, 0x2029}
+                return self.rx.make(_class_text(excluded, negated=True), True)
+            raw = [ord(c) for c in chars if ord(c) not in _RAW_CHAR_CPS and not 0xD800 <= ord(c) <= 0xDFFF]
+            parts = [self.rx.make(_class_text(raw), True) if len(raw) > 1 else
+                     self.rx.lit(chr(raw[0])) if raw else None]
+            parts += [self.rx.lit(json.dumps(c)[1:-1]) for c in sorted(chars) if ord(c) in _RAW_CHAR_CPS]
+            return self.rx.alt(parts)
+        if kind == "eps":
+            return _EPS
+        if kind == "cat":
+            return self.rx.cat(*[self.emit_pattern(c) for c in node[1]])
+        if kind == "alt":
+            return self.rx.alt([self.emit_pattern(c) for c in node[1]])
+        return self.rx.rep(self.emit_pattern(node[1]), node[2], node[3])
+
+    # ---- arrays --------------------------------------------------------------------------------
+
+    def type_array(self, d: dict, ptr: str, nest: int) -> _R | None:
+        if "contains" in d:
+            raise self.refuse("contains", ptr, "contains is not supported")
+        prefix = self.schema_list(d, "prefixItems", ptr) if "prefixItems" in d else []
+        if "items" in d and isinstance(d["items"], list):
+            raise self.refuse("items", ptr, "items as an array is draft 2019-09 and older; use prefixItems")
+        items_kw = "items" if "items" in d else "unevaluatedItems" if "unevaluatedItems" in d else None
+        lo = self.nonneg_int(d, "minItems", ptr, 0)
+        hi = self.nonneg_int(d, "maxItems", ptr)
+        elems: list[_R] = []
+        for i, sub in enumerate(prefix):
+            e = self.node(sub, _ptr_join(ptr, "prefixItems", i), nest + 1)
+            if e is None:
+                hi = i if hi is None else min(hi, i)
+                break
+            elems.append(e)
+        rest_schema = True if items_kw is None else self.schema_value(d[items_kw], items_kw, ptr)
+        rest = self.node(rest_schema, _ptr_join(ptr, items_kw or "items"), nest + 1)
+        if rest is None:
+            hi = len(elems) if hi is None else min(hi, len(elems))
+        hi = self.unique_items(d, ptr, hi, elems, rest_schema)
+        if hi is not None and lo > hi:
+            return None
+        return self.array(elems, rest, lo, hi)
+
+    def unique_items(self, d: dict, ptr: str, hi: int | None, elems: list, rest_schema: Any) -> int | None:
+        if "uniqueItems" not in d:
+            return hi
+        u = d["uniqueItems"]
+        if not isinstance(u, bool):
+            raise self.invalid("uniqueItems", ptr, f"must be a boolean, got {u!r}")
+        if not u or (hi is not None and hi <= 1):
+            return hi
+        if not elems and isinstance(rest_schema, dict) and _single_value(rest_schema):
+            return 1 if hi is None else min(hi, 1)
+        raise self.refuse("uniqueItems", ptr, "uniqueItems is only supported with maxItems <= 1 or items that "
+                                              "allow a single value")
+
+    def array(self, elems: list[_R], rest: _R | None, lo: int, hi: int | None) -> _R:
+        """``[ e0, e1, ..., rest, rest, ... ]`` with between lo and hi elements."""
+        rx = self.rx
+        open_, close = rx.cat(rx.lit("["), self.ws), rx.cat(self.ws, rx.lit("]"))
+        if hi == 0:
+            return rx.cat(rx.lit("["), self.ws, rx.lit("]"))
+        k = len(elems)
+
+        def tail(i: int) -> _R | None:  # elements i.. given element i-1 is present
+            self.tick()
+            if hi is not None and i >= hi:
+                return _EPS
+            if i >= k:
+                n_lo = max(lo - i, 0)
+                n_hi = None if hi is None else hi - i
+                return rx.rep(rx.cat(self.sep, rest), n_lo, n_hi)
+            part = rx.cat(self.sep, elems[i], tail(i + 1))
+            return part if i < lo else rx.opt(part)
+
+        first = elems[0] if k else rest
+        body = rx.cat(first, tail(1))
+        if body is None:
+            return rx.cat(rx.lit("["), self.ws, rx.lit("]")) if lo == 0 else None
+        if lo == 0:
+            return rx.cat(open_, rx.opt(rx.cat(body, self.ws)), rx.lit("]"))
+        return rx.cat(open_, body, close)
+
+    # ---- objects -------------------------------------------------------------------------------
+
+    def type_object(self, d: dict, ptr: str, nest: int) -> _R | None:
+        props = self.schema_map(d, "properties", ptr)
+        required = self.string_list(d, "required", ptr)
+        if self.schema_map(d, "patternProperties", ptr):
+            raise self.refuse("patternProperties", ptr, "patternProperties is not supported")
+        extra_kw = ("additionalProperties" if "additionalProperties" in d else
+                    "unevaluatedProperties" if "unevaluatedProperties" in d else None)
+        extra_schema = True if extra_kw is None else self.schema_value(d[extra_kw], extra_kw, ptr)
+        extra_ptr = _ptr_join(ptr, extra_kw or "additionalProperties")
+        req = set(required)
+        items: list[tuple[_R, bool]] = []
+        present: list[str] = []
+        for name, sub in props.items():
+            v = self.node(sub, _ptr_join(ptr, "properties", name), nest + 1)
+            if v is None:
+                if name in req:
+                    return None
+                continue
+            items.append((self.key_value(self.key(name), v), name in req))
+            present.append(name)
+        for name in required:
+            if name not in props:
+                v = self.node(extra_schema, extra_ptr, nest + 1)
+                if v is None:
+                    return None
+                items.append((self.key_value(self.key(name), v), True))
+                present.append(name)
+        names = list(props) + [n for n in required if n not in props]
+        extra_value = self.extra_value(extra_schema, extra_ptr, nest, bool(names))
+        extra = None if extra_value is None else self.key_value(self.extra_key(names), extra_value)
+        count = self.object_side_keywords(d, ptr, present, req, names, extra is not None)
+        if count == "empty":  # maxProperties: 0
+            return None if req & set(present) else self.wrap_object(None, True)
+        body, may_be_empty = self.object_body(items, extra)
+        if count == "nonempty":  # minProperties: 1
+            return None if body is None else self.wrap_object(body, False)
+        return self.wrap_object(body, may_be_empty)
+
+    def extra_value(self, schema: Any, ptr: str, nest: int, declares: bool) -> _R | None:
+        """Values of extra keys: an explicit schema's regex; arbitrary values of depth
+        :data:`EXTRA_VALUE_DEPTH` when the object declares names, else of the depth left at ``nest + 1``."""
+        flat, _ = self.flatten(schema, ptr)
+        if declares and (flat is True or flat == {}):
+            return self.any_of_depth(EXTRA_VALUE_DEPTH)
+        return self.node(schema, ptr, nest + 1)
+
+    def key(self, name: str) -> _R:
+        return self.rx.lit(json.dumps(name, ensure_ascii=False))
+
+    def key_value(self, key: _R, value: _R) -> _R:
+        return self.rx.cat(key, self.colon, value)
+
+    def extra_key(self, names: list[str]) -> _R:
+        """Any key when no name is declared; else unescaped keys other than the declared names."""
+        if not names:
+            return self.string
+        raw_names = [n for n in names if json.dumps(n, ensure_ascii=False) == f'"{n}"']
+        return self.rx.cat(self.rx.lit('"'), self.complement(raw_names), self.rx.lit('"'))
+
+    def complement(self, names: list[str]) -> _R:
+        """Strings of unescaped characters other than ``names``, of which those longer than
+        :data:`EXTRA_KEY_PREFIX` that start like a name are left out. Flat: (a prefix of the names' trie, then
+        a character leaving it) then any characters, or a prefix that is not a whole name; one shared
+        "any characters" tail (each copy of a free-text loop costs compile time)."""
+        trie: dict = {}
+        for n in names:
+            node = trie
+            for ch in n[:EXTRA_KEY_PREFIX]:
+                node = node.setdefault(ch, {})
+            if len(n) <= EXTRA_KEY_PREFIX:
+                node[None] = True
+        rx = self.rx
+        leave: list[_R | None] = []
+        stop: list[_R | None] = []
+        stack = [("", trie)]
+        while stack:
+            self.tick()
+            prefix, node = stack.pop()
+            children = sorted(c for c in node if c is not None)
+            if None not in node:
+                stop.append(rx.lit(prefix))
+            if len(prefix) < EXTRA_KEY_PREFIX:
+                other = _class_text(_RAW_CHAR_CPS | {ord(c) for c in children}, negated=True)
+                leave.append(rx.cat(rx.lit(prefix), rx.make(other, True)))
+                stack.extend((prefix + c, node[c]) for c in reversed(children))
+        anything = rx.rep(rx.make(_class_text(_RAW_CHAR_CPS, negated=True), True), 0, None)
+        return rx.alt([rx.cat(rx.alt(leave), anything), *stop])
+
+    def object_side_keywords(self, d: dict, ptr: str, present: list[str], req: set[str], names: list[str],
+                             extras: bool) -> str:
+        """Refuse the object keywords we do not build into the regex, unless they always hold. Returns
+        "empty" for ``maxProperties: 0``, "nonempty" for ``minProperties: 1`` that required properties
+        do not imply (both enforced by the caller), else ""."""
+        if "propertyNames" in d:
+            pn = self.schema_value(d["propertyNames"], "propertyNames", ptr)
+            flat, _ = self.flatten(pn, _ptr_join(ptr, "propertyNames"))
+            ok = flat is True or flat == {}
+            if not ok and not extras:
+                v = self.validator().evolve(schema=pn)
+                ok = all(self.valid(v, n, "propertyNames", ptr) for n in present)
+            if not ok:
+                raise self.refuse("propertyNames", ptr, "propertyNames is not supported (unless every possible "
+                                                        "key satisfies it)")
+        n_min = len([n for n in present if n in req])
+        n_max = None if extras else len(present)
+        min_p = self.nonneg_int(d, "minProperties", ptr, 0)
+        max_p = self.nonneg_int(d, "maxProperties", ptr)
+        count = ""
+        if max_p == 0:
+            count = "empty"
+        elif max_p is not None and (n_max is None or n_max > max_p):
+            raise self.refuse("maxProperties", ptr, "maxProperties is not supported (unless it is 0, or the "
+                                                    "object is closed and declares at most that many properties)")
+        if min_p > n_min:
+            if min_p > 1 or count:
+                raise self.refuse("minProperties", ptr, "minProperties above 1 and above the number of required "
+                                                        "properties is not supported")
+            count = "nonempty"
+
+        def possible(name: str) -> bool:
+            return name in present or (extras and name not in names)
+
+        for kw in ("dependentRequired", "dependentSchemas"):
+            deps = d.get(kw, {})
+            if not isinstance(deps, dict):
+                raise self.invalid(kw, ptr, "must be an object")
+            for name, dep in deps.items():
+                if not possible(name):
+                    continue
+                if kw == "dependentRequired":
+                    if not isinstance(dep, list) or not all(isinstance(x, str) for x in dep):
+                        raise self.invalid(kw, ptr, "values must be arrays of strings")
+                    if all(x in req for x in dep):
+                        continue
+                else:
+                    flat, _ = self.flatten(self.schema_value(dep, kw, ptr), _ptr_join(ptr, kw, name))
+                    if flat is True or flat == {}:
+                        continue
+                raise self.refuse(kw, ptr, f"{kw} for {name!r} is not supported (unless it always holds)")
+        return count
+
+    def object_body(self, items: list[tuple[_R, bool]], extra: _R | None) -> tuple[_R | None, bool]:
+        """Members in order (optional ones may be absent) then extras; (body, body may be empty)."""
+        rx, sep = self.rx, self.sep
+        n_lead = next((i for i, (_, r) in enumerate(items) if r), len(items))
+        # "at least one member so far" (None: not possible yet), first over the leading optional members
+        some = self.some_of([m for m, _ in items[:n_lead]])
+        all_optional = True
+        for member, required in items[n_lead:]:
+            self.tick()
+            if required and all_optional:
+                some = member if some is None else rx.cat(rx.opt(rx.cat(some, sep)), member)
+                all_optional = False
+            elif required:
+                some = rx.cat(some, sep, member)
+            else:
+                some = rx.cat(some, rx.opt(rx.cat(sep, member)))
+        all_optional = all_optional and n_lead == len(items)
+        if extra is None:
+            return some, all_optional
+        more = rx.rep(rx.cat(sep, extra), 0, None)
+        if some is None:
+            return rx.cat(extra, more), True
+        if all_optional:
+            return rx.cat(rx.alt([some, extra]), more), True
+        return rx.cat(some, more), False
+
+    def some_of(self, members: list[_R]) -> _R | None:
+        """Non-empty comma-separated subsequences of optional ``members`` (in order). A member that is big
+        and at least as long as all the others together is written once: (some of those before ",")? BIG
+        (", " later one)? ... | some of the others. Otherwise blocks (:func:`optional_blocks`)."""
+        self.tick()
+        rx, sep = self.rx, self.sep
+        if not members:
+            return None
+        p = max(range(len(members)), key=lambda i: len(members[i].text))
+        size_p = len(members[p].text)
+        if size_p > BIG_MEMBER_CHARS and 2 * size_p >= sum(len(m.text) for m in members):
+            before = self.some_of(members[:p])
+            with_p = rx.cat(rx.opt(None if before is None else rx.cat(before, sep)), members[p],
+                            *[rx.opt(rx.cat(sep, m)) for m in members[p + 1 :]])
+            return rx.alt([with_p, self.some_of(members[:p] + members[p + 1 :])])
+        some: _R | None = None
+        for blk in self.optional_blocks(members):
+            tails = [rx.opt(rx.cat(sep, m)) for m in blk]
+            alts = [] if some is None else [rx.cat(some, *tails)]
+            alts += [rx.cat(m, *tails[j + 1 :]) for j, m in enumerate(blk)]
+            some = rx.alt(alts)
+        return some
+
+    @staticmethod
+    def optional_blocks(members: list[_R]) -> list[list[_R]]:
+        """Consecutive blocks of at most ceil(n / OPTIONAL_BLOCKS) members; a big member starts a block
+        (so that it is written at most twice)."""
+        size = max(1, -(-len(members) // OPTIONAL_BLOCKS))
+        blocks: list[list[_R]] = []
+        for m in members:
+            if not blocks or len(blocks[-1]) >= size or len(m.text) > BIG_MEMBER_CHARS:
+                blocks.append([])
+            blocks[-1].append(m)
+        return blocks
+
+    def wrap_object(self, body: _R | None, may_be_empty: bool) -> _R | None:
+        rx = self.rx
+        if body is None:
+            return rx.cat(rx.lit("{"), self.ws, rx.lit("}")) if may_be_empty else None
+        if may_be_empty:
+            return rx.cat(rx.lit("{"), self.ws, rx.opt(rx.cat(body, self.ws)), rx.lit("}"))
+        return rx.cat(rx.lit("{"), self.ws, body, self.ws, rx.lit("}"))
+
+    # ---- arbitrary values ----------------------------------------------------------------------
+
+    def any_value(self, nest: int) -> _R:
+        return self.any_of_depth(self.any_depth(nest))
+
+    def any_of_depth(self, depth: int) -> _R:
+        """null, booleans, numbers, strings and (depth > 0) arrays / objects of depth - 1 values."""
+        if depth not in self.any_memo:
+            self.tick()
+            rx = self.rx
+            parts = [rx.make("(null|true|false)", True), rx.make(_NUMBER, False), self.string]
+            if depth > 0:
+                v = self.any_of_depth(depth - 1)
+                parts.append(self.array([], v, 0, None))
+                member = self.key_value(self.string, v)
+                parts.append(self.wrap_object(rx.cat(member, rx.rep(rx.cat(self.sep, member), 0, None)), True))
+            self.any_memo[depth] = rx.alt(parts)
+        return self.any_memo[depth]
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers of the disjointness check
+# --------------------------------------------------------------------------------------------------
+
+_MISSING = object()
+_CONTRADICTION = object()
+_ATOMS = ("null", "boolean", "object", "array", "string", "integer", "fraction")
+
+
+def _atoms(types: set[str]) -> set[str]:
+    out = set(types) - {"number"}
+    if "number" in types:
+        out |= {"integer", "fraction"}
+    return out
+
+
+def _type_meet(a: set[str], b: set[str]) -> set[str]:
+    out = a & b
+    if "number" in a and "integer" in b or "integer" in a and "number" in b:
+        out.add("integer")
+    return out
+
+
+def _finite_values(d: dict) -> list | None:
+    if "const" in d:
+        return [d["const"]]
+    if isinstance(d.get("enum"), list):
+        return d["enum"]
+    return None
+
+
+def _single_value(d: dict) -> bool:
+    vals = _finite_values(d)
+    return vals is not None and len(vals) == 1
+
+
+def _numeric_range(d: dict) -> tuple:
+    """(lo, lo_exclusive, hi, hi_exclusive) from the numeric bounds of ``d`` (None: unbounded)."""
+    lo, lo_x, hi, hi_x = None, False, None, False
+    for kw, excl in (("minimum", False), ("exclusiveMinimum", True)):
+        v = d.get(kw)
+        if _is_number(v) and (lo is None or v > lo or (v == lo and excl)):
+            lo, lo_x = v, excl
+    for kw, excl in (("maximum", False), ("exclusiveMaximum", True)):
+        v = d.get(kw)
+        if _is_number(v) and (hi is None or v < hi or (v == hi and excl)):
+            hi, hi_x = v, excl
+    return lo, lo_x, hi, hi_x
+
+
+def _ranges_disjoint(a: tuple, b: tuple) -> bool:
+    def before(x, y) -> bool:  # every value of x is below every value of y
+        hi, hi_x = x[2], x[3]
+        lo, lo_x = y[0], y[1]
+        if hi is None or lo is None:
+            return False
+        return hi < lo or (hi == lo and (hi_x or lo_x))
+
+    return before(a, b) or before(b, a)
+
+
+def _property_schema(d: dict, name: str) -> Any:
+    props = d.get("properties")
+    if isinstance(props, dict) and name in props:
+        return props[name]
+    if isinstance(d.get("patternProperties"), dict) and d["patternProperties"]:
+        return True
+    return d.get("additionalProperties", True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Whitespace and the public function
+# --------------------------------------------------------------------------------------------------
+
+_JSON_WS = frozenset(" \t\n\r")
+
+
+def _check_ws_tree(node) -> bool:
+    kind = node[0]
+    if kind == "sym":
+        chars, negated = node[1]
+        return not negated and chars <= _JSON_WS
+    if kind == "eps":
+        return True
+    if kind in ("cat", "alt"):
+        return all(_check_ws_tree(c) for c in node[1])
+    return _check_ws_tree(node[1])
+
+
+def _whitespace(pattern: str | None, rx: _Rx, limits: InputLimits) -> _R:
+    """The whitespace fragment; refuses a pattern that can match anything but JSON whitespace."""
+    text = DEFAULT_WHITESPACE if pattern is None else pattern
+    if not isinstance(text, str):
+        raise InvalidOptionError(f"whitespace_pattern must be a string, got {type(text).__name__}")
+    if text == "":
+        return _EPS
+    if not _check_ws_tree(parse_regex(text, limits=limits)):
+        raise InvalidOptionError(f"whitespace_pattern {text!r} may match characters other than JSON whitespace "
+                                 f"(space, \\t, \\n, \\r)")
+    if text == DEFAULT_WHITESPACE:
+        return rx.make(text, False)
+    return rx.make("(" + text + ")", True)
+
+
+def json_schema_to_regex(schema: dict | bool, whitespace_pattern: str | None = None, *,
+                         limits: InputLimits | None = None, deadline: float | None = None) -> str:
+    """Regex (the :mod:`.regex_parse` dialect, also Python ``re``; whole-output match) of the JSON texts
+    valid against ``schema`` (draft 2020-12), within the documented smaller-language choices (module
+    docstring). Every string the regex accepts parses as JSON and is valid against the schema.
+
+    Args:
+        schema: the parsed schema (``json.loads`` result): a dict or a boolean.
+        whitespace_pattern: regex of the whitespace allowed between JSON tokens (None:
+            :data:`DEFAULT_WHITESPACE`; ``""``: none). It may only match JSON whitespace.
+        limits: :class:`~.limits.InputLimits` (None: :meth:`InputLimits.from_env`); the schema is checked
+            against them first, and the regex may not grow past ``max_regex_chars``.
+        deadline: ``time.perf_counter()`` value after which conversion stops (None: none).
+
+    Returns:
+        The regex.
+
+    Raises:
+        InputTooLargeError: the schema is over the input limits (before any work), or the regex being
+            built exceeds ``max_regex_chars`` (raised as soon as it does).
+        UnsupportedSchemaError: a keyword or combination that is not enforced exactly (``keyword``,
+            ``pointer``; ``regular=False`` for recursive references and dynamic references).
+        InvalidSchemaError: a malformed schema (wrong value types, unknown type, unresolvable ``$ref``).
+        EmptyLanguageError: no JSON value satisfies the schema.
+        CompileBudgetError: past ``deadline``, or over :data:`MAX_STEPS` conversion steps.
+        InvalidOptionError: a ``whitespace_pattern`` that may match more than JSON whitespace, or a bad
+            ``VLLM_FST_MAX_*`` environment variable (``limits`` None).
+        RegexSyntaxError, UnsupportedRegexError: ``whitespace_pattern`` does not parse.
+    """
+    lim = InputLimits.from_env() if limits is None else limits
+    check_schema_obj(schema, lim)
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidSchemaError(f"invalid JSON schema: must be an object or a boolean, got "
+                                 f"{type(schema).__name__}")
+    rx = _Rx(lim.max_regex_chars)
+    conv = _Converter(schema, _whitespace(whitespace_pattern, rx, lim), lim.max_regex_chars, deadline)
+    conv.tick()
+    try:
+        result = conv.node(schema, "", 0)
+    except RecursionError:
+        raise UnsupportedSchemaError("the JSON schema chains references or subschemas too deeply to convert",
+                                     keyword="$ref") from None
+    if result is None:
+        raise EmptyLanguageError("the JSON schema admits no value (false, or contradictory keywords)", None)
+    depth = _group_depth(result.text)
+    if depth > MAX_GROUP_DEPTH:
+        raise CompileBudgetError(f"the JSON schema nests too deeply: its regex nests groups {depth} deep, over the "
+                                 f"regex parser's limit of {MAX_GROUP_DEPTH}", None)
+    return result.text
+
+
+def _group_depth(regex: str) -> int:
+    """Deepest group nesting of ``regex`` (escapes and classes skipped)."""
+    depth = best = 0
+    i, n, in_class = 0, len(regex), False
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True  # our classes escape every ']' inside them
+        elif c == "(":
+            depth += 1
+            best = max(best, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return best
