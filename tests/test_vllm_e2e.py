@@ -221,13 +221,13 @@ def test_choice_and_legacy_fields(server, tok, eos_ids):
                 _assert_canonical(tok, text, ids)
 
 
-PERSON_SCHEMA = {  # keywords the schema -> regex conversion (outlines_core) enforces
+PERSON_SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 20},
         "age": {"type": "integer"},
         "city": {"type": "string", "enum": ["Paris", "London", "Berlin"]},
-        "zip": {"type": "string", "pattern": "[0-9]{5}"},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},  # anchored: ECMA patterns match anywhere
         "student": {"type": "boolean"},
     },
     "required": ["name", "age", "city", "zip", "student"],
@@ -261,7 +261,7 @@ BOUNDS_SCHEMA = {  # properties deliberately not in alphabetical order, nested t
         "alpha": {"type": "object", "properties": {"yaw": {"type": "integer", "exclusiveMinimum": -5, "maximum": 5},
                                                    "beta": {"type": "boolean"}},
                   "required": ["yaw", "beta"], "additionalProperties": False},
-        "mid": {"type": "number", "minimum": 0},
+        "mid": {"type": "integer", "minimum": 0},  # one-sided; (an unbounded fraction lets SmolLM2 loop on digits)
     },
     "required": ["zeta", "alpha", "mid"],
     "additionalProperties": False,

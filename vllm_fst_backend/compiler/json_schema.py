@@ -979,6 +979,11 @@ class _Converter:
     def combinator(self, d: dict, ptr: str, nest: int, origin: Any) -> _R | None:
         kw = "anyOf" if "anyOf" in d else "oneOf"  # with both: anyOf first, oneOf inside each alternative
         rest = {k: v for k, v in d.items() if k != kw}
+        for uk in ("unevaluatedProperties", "unevaluatedItems"):
+            if rest.get(uk, True) is not True:
+                # it sees what *every* matching alternative evaluated: distributing it into each
+                # alternative would refuse valid instances that two alternatives match together
+                raise self.refuse(uk, ptr, f"{uk} next to {kw} is not supported")
         results, merged = [], []
         for i, sub in enumerate(self.schema_list(d, kw, ptr)):
             sub_ptr = _ptr_join(ptr, kw, i)
