@@ -261,7 +261,7 @@ BOUNDS_SCHEMA = {  # properties deliberately not in alphabetical order, nested t
         "alpha": {"type": "object", "properties": {"yaw": {"type": "integer", "exclusiveMinimum": -5, "maximum": 5},
                                                    "beta": {"type": "boolean"}},
                   "required": ["yaw", "beta"], "additionalProperties": False},
-        "mid": {"type": "integer", "minimum": 0},  # one-sided; (an unbounded fraction lets SmolLM2 loop on digits)
+        "mid": {"type": "integer", "minimum": 0, "exclusiveMaximum": 1000},  # unbounded digits: SmolLM2 loops
     },
     "required": ["zeta", "alpha", "mid"],
     "additionalProperties": False,
@@ -282,7 +282,7 @@ def test_json_schema_order_and_numeric_bounds(server, tok, eos_ids):
     hold, sampled and greedy; every output canonical."""
     import jsonschema
 
-    prompt = "Give a JSON record of a person: their age, a small signed number and a flag, and a price."
+    prompt = "Give a JSON record of a person: their age, a small signed number and a flag, and a count."
     for how in ("structured_outputs.json", "response_format"):
         extra = _json_request(how, BOUNDS_SCHEMA)
         outs = _outputs(_chat(server, extra, prompt, max_tokens=80), eos_ids)

@@ -409,6 +409,10 @@ class InProcessChecker:
         return await asyncio.to_thread(self.check, kind, spec, **kw)
 
 
+#: Constraint kinds compiled at start-up by :class:`ServiceChecker` (their spec is fixed).
+WARM_KINDS = ("JSON_OBJECT",)
+
+
 class ServiceChecker:
     """The compile check in the isolated compile processes (``compiler.service.CompileService``): the
     API server's event loop only awaits a thread that waits on a pipe; the automaton lands in the
@@ -423,6 +427,16 @@ class ServiceChecker:
         workers = _positive_int_env("VLLM_FST_CHECK_WORKERS", 2)
         self.service = CompileService(directory, tok, workers=workers)
         self.service.start()
+        threading.Thread(target=self._warm, name="fst-warm", daemon=True).start()
+
+    def _warm(self) -> None:
+        """Compile the constraints every server sees (``response_format: json_object``) once at start-up,
+        so that their first request is a disk-cache hit (a no-op when an earlier start stored them)."""
+        for kind in WARM_KINDS:
+            try:
+                self.check(kind, None)
+            except Exception as e:  # logged only: the request itself reports any error
+                logger.info("fst: warm-up compile of %s failed: %s", kind.lower(), e)
 
     def check(self, kind: str, spec: Any, *, whitespace_pattern: str | None = None,
               options: FstRequestOptions | None = None, budget_s: float | None = None) -> str:
