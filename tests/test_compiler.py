@@ -415,3 +415,132 @@ def test_compile_times_reasonable(fst_artifacts):
     t0 = time.perf_counter()
     compile_regex("(Yes|No|Maybe)", arts, CompileOptions())
     assert time.perf_counter() - t0 < 0.5
+
+
+# --- token DFA: numba kernels == numpy reference (identical arrays) -----------------------------------------
+
+_JSON_STR = r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])*"'
+_JSON_LIKE = (
+    r'\{[ ]?"name"[ ]?:[ ]?' + _JSON_STR + r'[ ]?,[ ]?"class"[ ]?:[ ]?("Warrior"|"Rogue"|"Sorceror")[ ]?,'
+    r'[ ]?"life"[ ]?:[ ]?(-)?(0|[1-9][0-9]*)[ ]?,[ ]?"tags"[ ]?:[ ]?\[[ ]?(' + _JSON_STR + r'(,[ ]?' + _JSON_STR
+    + r'){0,4})?[ ]?\][ ]?\}'
+)
+_POKEDEX_LIKE = (
+    r'\{\n  "alias": "[a-z]{1,5}",\n  "description": "[A-Z][a-z][0-9][\w\s,.!?]{1,3}",\n'
+    r'  "type": "(Bug|Dark|Dragon|Electric|Fairy|Fire|Water)",\n  "height_m": [0-9]{1,2}\.[0-9]{1},\n'
+    r'  "abilities": \[\n    "(Overgrow|Blaze|Torrent|Shield Dust)"(, "(Overgrow|Blaze|Torrent)"){0,3}\n  \]\n\}'
+)
+KERNEL_REGEXES = [
+    # the pynini-checked and walk-checked regexes above
+    r"(Yes|No|Maybe)", r"\d{2}-\d", r"[a-zé]{1,2}", r"é|€|中文", r'"([^"\\]|\\.)?"', r"[α-ω]{1,2}x?", r"a?\n?",
+    r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z", r"((25[0-5]|2[0-4]\d|[01]?\d\d?)\.){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)",
+    r"[A-Za-z ,]{5,60}\.", r'"([^"\\]|\\.){0,20}"', r" ?[a-z]{1,8}( [a-z]{1,8}){0,3}\n", r"(  |\t)?x",
+    r"[^a\n]€", r"[^a\n]{1,3}中文", r"(a|)",
+    # JSON-schema-like, free text, multilingual classes
+    _JSON_LIKE, _POKEDEX_LIKE, r"[^\n]{1,200}", r'"[^"\\]{0,40}"', r"[^\n]{1,30}\n",
+    r"[α-ωА-Яа-яё ]{1,12}", r"[一-龥ぁ-んァ-ン]{1,8}", r"[가-힣 ]{1,10}", r"[^\x00-\x7f]{1,6}",
+    r"[\u0600-\u06ff ]{1,5}",
+]
+
+
+def _token_dfa_diff(a, b) -> str | None:
+    """Name of the first TokenDFA field where ``a`` and ``b`` differ (values or dtypes), None if identical."""
+    for f in ("num_states", "num_groups"):
+        if getattr(a, f) != getattr(b, f):
+            return f
+    for f in ("accepting", "edge_ptr", "edge_group", "edge_next", "token_group", "byte_state"):
+        x, y = getattr(a, f), getattr(b, f)
+        if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x, y):
+            return f
+    return None
+
+
+def _both_backends(bdfa, trie, policy, **kw):
+    """(result or exception type) of build_token_dfa with each backend."""
+    from vllm_fst_backend.compiler.token_dfa import build_token_dfa
+
+    out = []
+    for backend in ("numpy", "numba"):
+        try:
+            out.append(build_token_dfa(bdfa, trie, policy, backend=backend, **kw))
+        except (CompileBudgetError, EmptyLanguageError) as e:
+            out.append(type(e))
+    return out
+
+
+def _quick_arts(built_artifacts, name):
+    from vllm_fst_backend.artifacts.store import load_artifacts
+
+    return load_artifacts(built_artifacts(name))
+
+
+def _policies(arts):
+    return ["all", "no_ascii_with_piece", "canonical"] if (np.asarray(arts.byte_fallback) >= 0).any() else ["all"]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "mistral_v1", "tekken"])
+def test_token_dfa_numba_equals_numpy(built_artifacts, name):
+    """The numba trie walk (kernels.py) gives exactly the numpy path's TokenDFA (same arrays: states,
+    accepting, edge CSR, token groups, byte states) on a corpus of regexes, for every byte policy of
+    the tokenizer (SentencePiece: byte fallback and the canonical byte policy)."""
+    from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_table, regex_to_char_dfa
+    from vllm_fst_backend.compiler.token_trie import trie_for
+
+    arts = _quick_arts(built_artifacts, name)
+    trie = trie_for(arts)
+    for regex in KERNEL_REGEXES:
+        bdfa = byte_dfa_table(regex_to_char_dfa(regex, prepend_space=bool(arts.prepend_space)))
+        for policy in _policies(arts):
+            ref, fast = _both_backends(bdfa, trie, policy, deadline=time.perf_counter() + 120)
+            assert not isinstance(ref, type), (regex, policy, ref)
+            assert _token_dfa_diff(ref, fast) is None, (regex, policy, _token_dfa_diff(ref, fast))
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@FST_SETTINGS
+@given(regex=regex_strategy())
+def test_token_dfa_backends_agree_on_random_regexes(built_artifacts, name, regex):
+    """Property: both backends give identical TokenDFAs (or the same error) on random regexes, also when
+    the numba walk is cut into many tiny chunks (deadline checks between chunks, output buffers grown)."""
+    from vllm_fst_backend.compiler import token_dfa
+    from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_table, regex_to_char_dfa
+    from vllm_fst_backend.compiler.token_trie import trie_for
+
+    arts = _quick_arts(built_artifacts, name)
+    trie = trie_for(arts)
+    bdfa = byte_dfa_table(regex_to_char_dfa(regex, prepend_space=bool(arts.prepend_space)))
+    saved = token_dfa._WALK_CHUNK_VISITS
+    for chunk in (saved, 7):
+        token_dfa._WALK_CHUNK_VISITS = chunk
+        try:
+            for policy in _policies(arts):
+                ref, fast = _both_backends(bdfa, trie, policy, deadline=time.perf_counter() + 120)
+                if isinstance(ref, type):
+                    assert fast is ref, (regex, policy)
+                else:
+                    assert _token_dfa_diff(ref, fast) is None, (regex, policy, chunk, _token_dfa_diff(ref, fast))
+        finally:
+            token_dfa._WALK_CHUNK_VISITS = saved
+
+
+def test_token_dfa_numba_budgets_and_empty(built_artifacts):
+    """Both backends raise the same typed errors: past deadline, too many states or transitions, and an
+    empty token language (a vocabulary that cannot spell the regex)."""
+    from vllm_fst_backend.compiler import token_dfa
+    from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_table, regex_to_char_dfa
+    from vllm_fst_backend.compiler.token_trie import build_token_trie, trie_for
+
+    trie = trie_for(_quick_arts(built_artifacts, "smollm2"))
+    bdfa = byte_dfa_table(regex_to_char_dfa(_JSON_LIKE))
+    for kw in ({"deadline": time.perf_counter() - 1.0}, {"max_states": 5}, {"max_edges": 100}):
+        for backend in ("numpy", "numba"):
+            with pytest.raises(CompileBudgetError):
+                token_dfa.build_token_dfa(bdfa, trie, "all", backend=backend, **kw)
+    tiny = build_token_trie([b"a", b"ab", None, b"b"], None)
+    for backend in ("numpy", "numba"):
+        with pytest.raises(EmptyLanguageError):
+            token_dfa.build_token_dfa(byte_dfa_table(regex_to_char_dfa("c")), tiny, "all", backend=backend)
+        td = token_dfa.build_token_dfa(byte_dfa_table(regex_to_char_dfa("(ab)+")), tiny, "all", backend=backend)
+        assert td.num_states >= 2
+    with pytest.raises(ValueError):
+        token_dfa.build_token_dfa(bdfa, trie, "all", backend="cuda")

@@ -184,3 +184,111 @@ def test_walk_decodes_and_rolls_back(fst_artifacts, fst_infos, name):
             assert m.state == states[k - 1]
         if done:
             assert fullmatch(r"[a-z ]{1,30}\.", decode_text(info, ids))
+
+
+# --- factored canonical automata: the compiled step (kernels.canon_row / canon_step) == numpy reference -----
+
+FACTORED_REGEXES = [r"[^\n]{1,60}", r'"[^"\\]{0,40}"', r"[^a\n]{1,3}中文 .{0,10}", r"[一-龥ぁ-ん가-힣 ]{1,10}"]
+
+
+def _walk_states(c, rnd, n_walks=6, max_steps=40):
+    """States of random walks over the allowed tokens (byte-fallback tokens preferred when allowed, so
+    that SentencePiece walks enter characters spelled in bytes)."""
+    fc = c.factored
+    eos = set(c.eos_ids.tolist())
+    out = []
+    for _ in range(n_walks):
+        st = 0
+        for _ in range(max_steps):
+            out.append(st)
+            ids = [t for t in c.allowed_tokens(st).tolist() if t not in eos]
+            if not ids:
+                break
+            bf = [t for t in ids if fc.H.tok_bf_byte[t] >= 0]
+            st = c.next_state(st, rnd.choice(bf) if bf and rnd.random() < 0.5 else rnd.choice(ids))
+    return out
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("regex", FACTORED_REGEXES)
+def test_factored_kernel_equals_reference(fst_artifacts, name, regex):
+    """Factored canonical automata: the kernel rows equal the numpy rows (``_compute_row_numpy``), the
+    scalar successor equals the numpy one (``_next_state_reference``), and ``advance`` (one kernel call:
+    successor + its row) equals ``next_state`` + ``row``, for allowed, disallowed, EOS and out-of-range
+    tokens, along random walks (context-dependent tokens; SentencePiece byte-fallback characters)."""
+    c = compile_regex(regex, fst_artifacts(name), CompileOptions())
+    assert c.mode == "factored"
+    fc = c.factored
+    rnd = random.Random(5)
+    V = c.vocab_size
+    for st in _walk_states(c, rnd):
+        u = fc.unpack(st)
+        assert np.array_equal(fc.compute_row(*u), fc._compute_row_numpy(*u)), (regex, u)
+        row = fc.row(st)
+        ids = c.allowed_tokens(st).tolist()
+        probes = rnd.sample(ids, min(6, len(ids))) + [rnd.randrange(V), int(c.eos_ids[0]), -1, V]
+        for t in probes:
+            ref = fc._next_state_reference(st, t)
+            assert fc.next_state(st, t) == ref, (regex, u, t)
+            nxt, nrow = fc.advance(st, row, t)
+            if ref < 0 or t in set(c.eos_ids.tolist()):
+                assert nxt == -1 and nrow is None, (regex, u, t)
+            else:
+                assert nxt == ref, (regex, u, t)
+                assert np.array_equal(nrow, fc._compute_row_numpy(*fc.unpack(ref))), (regex, u, t)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_accept_tokens_fast_path_equals_generic(fst_artifacts, name):
+    """FstMatcher on a factored automaton (advance per token) accepts exactly what the generic path
+    (``compiled.next_state`` / ``is_accepting``, as for explicit automata) accepts, with the same states,
+    rows, atomicity on an invalid token, EOS handling and rollback."""
+    c = compile_regex(r"[^\n]{1,40}\.?", fst_artifacts(name), CompileOptions())
+    assert c.mode == "factored"
+    rnd = random.Random(11)
+    eos = int(c.eos_ids[0])
+
+    def generic(state, toks):
+        """(accepted?, states after each token, terminated) with the generic semantics."""
+        states, term = [], False
+        for t in toks:
+            if t in set(c.eos_ids.tolist()):
+                if not c.is_accepting(state):
+                    return False, [], False
+                states.append(state)
+                term = True
+                break
+            state = c.next_state(state, t)
+            if state < 0:
+                return False, [], False
+            states.append(state)
+        return True, states, term
+
+    for _ in range(8):
+        m = FstMatcher(c)
+        for _ in range(12):
+            if m.is_terminated():
+                break
+            ids = [t for t in m.allowed_token_ids().tolist() if t != eos]
+            chunk = [rnd.choice(ids)] if ids else []
+            if rnd.random() < 0.4 and chunk:  # a multi-token call, maybe with an invalid token inside
+                nxt = c.next_state(m.state, chunk[0])
+                more = [t for t in c.allowed_tokens(nxt).tolist() if t != eos]
+                if more:
+                    chunk.append(rnd.choice(more) if rnd.random() < 0.7 else rnd.randrange(c.vocab_size))
+            if rnd.random() < 0.2:
+                chunk.append(eos)
+            before = (m.state, m.num_processed_tokens)
+            ok, states, term = generic(m.state, chunk)
+            assert m.accept_tokens("r", chunk) == ok, chunk
+            if not ok:
+                assert (m.state, m.num_processed_tokens) == before
+                continue
+            if states:
+                assert m.state == states[-1]
+            assert m.is_terminated() == term
+            assert np.array_equal(m._row, c.allowed_row(m.state))
+            if states and rnd.random() < 0.3:
+                m.rollback(1)
+                assert m.state == (states[-2] if len(states) > 1 else before[0])
+                assert np.array_equal(m._row, c.allowed_row(m.state))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 
 import numpy as np
@@ -51,6 +52,18 @@ from .token_dfa import TokenDFA
 __all__ = ["CanonHelper", "canonical_helper", "canonical_automaton", "FactoredCanonical"]
 
 _POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+_NO_PENDING = np.zeros((0, 2), dtype=np.int64)
+_KERNELS = None
+
+
+def _kernels():
+    """The :mod:`.kernels` module (numba), imported on first use."""
+    global _KERNELS
+    if _KERNELS is None:
+        from . import kernels
+
+        _KERNELS = kernels
+    return _KERNELS
 
 
 def _bool_of_row(row: np.ndarray, V: int) -> np.ndarray:
@@ -112,6 +125,10 @@ class CanonHelper:
         self.START = self.C
         self.tclass = np.asarray(cf.token_class, dtype=np.int32)
         self.bt = _banned_transposed(cf, self.V, self.W, self.C)  # int32[W, C]: word-major banned bits
+        # the stored CSR of the banned sets (row k is contiguous: FactoredCanonical's row kernel reads it)
+        ptr = getattr(cf, "banned_ptr", None)
+        self.banned_ptr = np.asarray(ptr, dtype=np.int64) if ptr is not None else np.zeros(0, np.int64)
+        self.banned_ids = np.asarray(cf.banned_ids) if ptr is not None else np.zeros(0, np.uint16)
         self.start_row = np.asarray(cf.start_row, dtype=np.int32)
         self.la_first = np.asarray(cf.la_first).astype(np.int64)
         self.L = int(cf.n_lookahead)
@@ -837,7 +854,13 @@ class FactoredCanonical:
     start state (0, 0, START, ALL) is 0.
 
     Rows are computed on first use (``base[s] & ~banned[k] & la_row[σ]`` + special tokens + EOS)
-    and memoized in an LRU of ``memo_rows`` entries (thread-safe).
+    and memoized in an LRU of ``memo_rows`` entries (thread-safe). The computation is compiled
+    (:mod:`.kernels`, numba, GIL released): :meth:`compute_row` reads the banned set of k from the
+    filter's CSR (contiguous) and checks the special tokens of s from a per-signature table;
+    :meth:`advance` (the matcher's decoding step) computes the successor of a token and its row in one
+    call. :meth:`_compute_row_numpy` and :meth:`_next_state_reference` are the numpy formulations the
+    tests compare them with; the numpy path also serves states inside a byte-fallback character
+    (``a > 0``) and filters without the CSR.
     """
 
     def __init__(self, M: TokenDFA, H: CanonHelper, an: _Analysis, eos_ids, base_rows: np.ndarray,
@@ -861,10 +884,42 @@ class FactoredCanonical:
         if len(self.eos_ids):
             set_eos_bits(eos_row, np.array([0]), eos_ids)
         self._eos_row = eos_row[0]
+        # compiled fast path (kernels.canon_row / canon_step); filters without the CSR use the numpy path
+        self._fast_ok = len(H.banned_ptr) > 0 and H.C > 0
+        self._kstatic = None  # fixed arguments of canon_row (_fast_init), built on first use
+        self._kstep = None  # (canon_step, its fixed arguments) (_step_init)
+        self._W = int(H.W)
+        self._no_acc = H.acc is None
+        self._has_inner = False
+        self._tag_bits = np.zeros((1, max(H.C, 1)), dtype=np.int64)
+        # special-token tables: without a byte-fallback acceptor a table depends only on the (groups,
+        # successor tags) signature of a regex state, which base_index already numbers (_base_rows): free
+        # text shares one table across positions; with one, the targets matter (inner_good): one per state
+        self._key_of_s = (np.ascontiguousarray(base_index, dtype=np.int64) if self._no_acc
+                          else np.arange(M.num_states, dtype=np.int64))
+        n_keys = (int(self._key_of_s.max()) + 1) if len(self._key_of_s) else 1
+        self._tag_row_arr = np.full(int(an.tag.max(initial=0)) + 1, -1, dtype=np.int64)
+        self._tag_row_arr[0] = 0
+        self._spec_static = None  # per special token of the analysis: the state-independent columns
+        # snapshot, replaced as a whole under the lock: (spec int64[n, 7], key_lo int64[R], key_hi int64[R]
+        # (key_lo -1: table not built), inner_cache int64[n_inner, 2], tag_bits int64[n_rows, C])
+        self._fspec = (np.zeros((0, 7), np.int64), np.full(n_keys, -1, np.int64), np.full(n_keys, -1, np.int64),
+                       np.zeros((1, 2), np.int64), self._tag_bits)
+        self._edges_py = None  # Python lists of M's CSR for next_state (built on first use)
+
+    def __getstate__(self) -> dict:
+        """Pickled state (``compiler/persist.py``) without the kernels' argument tuples and the Python
+        lists of :meth:`successor`: they hold views of per-tokenizer arrays (the filter's CSR,
+        lookahead tables) and are rebuilt on first use after loading."""
+        state = self.__dict__.copy()
+        state["_kstatic"] = state["_kstep"] = state["_edges_py"] = None
+        return state
 
     @property
     def nbytes(self) -> int:
-        return int(self.base_rows.nbytes + self.base_index.nbytes + self.H.W * 4 * len(self._memo))
+        spec = self._fspec
+        return int(self.base_rows.nbytes + self.base_index.nbytes + self.H.W * 4 * len(self._memo)
+                   + self._tag_bits.nbytes + spec[0].nbytes + spec[1].nbytes + spec[2].nbytes + spec[3].nbytes)
 
     def pack(self, s: int, a: int, k: int, sig: int) -> int:
         """Packed state of (s, a, k, σ); k = C means START."""
@@ -899,7 +954,205 @@ class FactoredCanonical:
         return got
 
     def compute_row(self, s: int, a: int, k: int, sig: int) -> np.ndarray:
-        """``int32[W]`` row of product state (s, a, k, σ) (module docstring, step 2)."""
+        """``int32[W]`` row of product state (s, a, k, σ) (module docstring, step 2).
+
+        States with ``a == 0`` go through the compiled kernel :func:`.kernels.canon_row` (one pass over
+        the banned set of k in the filter's CSR, the base row and the special tokens of s; a few µs on a
+        49k vocabulary); inside a byte-fallback character (``a > 0``, SentencePiece) the few byte tokens
+        are checked in Python, as are filters without the CSR. Same bits as :meth:`_compute_row_numpy`
+        (``tests/test_matcher.py``)."""
+        if a != 0 or not self._fast_ok:
+            return self._compute_row_numpy(s, a, k, sig)
+        static = self._kstatic if self._kstatic is not None else self._fast_init()
+        key = int(self._key_of_s[s])
+        snap = self._fspec  # one consistent snapshot
+        if snap[1][key] < 0:
+            self._fast_specials(s)
+            snap = self._fspec
+        spec, key_lo, key_hi, icache, tag_bits = snap
+        out = np.empty(self.H.W, dtype=np.int32)
+        pending = np.empty((256, 2), dtype=np.int64) if self._has_inner else _NO_PENDING
+        n_pend = _kernels().canon_row(out, s, k, sig, spec, key_lo, key_hi, key, tag_bits, icache, pending, *static)
+        if n_pend:
+            self._decide_inner(out, spec, icache, pending[:n_pend], k)
+        return out
+
+    def advance(self, state: int, row: np.ndarray, token: int):
+        """One decoding step: ``(next_state, next_row)`` for ``token`` from ``state`` whose row is ``row``
+        (``int32[W]``), or ``(-1, None)`` if ``token`` is not allowed (or EOS). The successor and its
+        row come from one kernel call (:func:`.kernels.canon_step`); the row is memoized like
+        :meth:`row`'s. Same results as :meth:`next_state` + :meth:`row`."""
+        if not 0 <= token < self.H.V or token in self._eos_set:
+            return -1, None
+        if not self._fast_ok:
+            nxt = self.next_state(state, token)
+            return (nxt, self.row(nxt)) if nxt >= 0 else (-1, None)
+        step = self._kstep if self._kstep is not None else self._step_init()
+        spec, key_lo, key_hi, icache, tag_bits = self._fspec
+        out = np.empty(self._W, dtype=np.int32)
+        pending = np.empty((256, 2), dtype=np.int64) if self._has_inner else _NO_PENDING
+        nxt, st = step[0](out, row, state, token, spec, key_lo, key_hi, self._key_of_s, tag_bits, icache, pending,
+                          *step[1])
+        if st < 0:
+            if st == -1:  # kernels.STEP_REJECT
+                return -1, None
+            return nxt, self.row(nxt)  # STEP_NEED_SPEC (built on the way) or STEP_NEED_PY (a > 0)
+        if st:
+            self._decide_inner(out, spec, icache, pending[:st], self.unpack(nxt)[2])
+        out.setflags(write=False)
+        memo = self._memo
+        with self._lock:
+            r = memo.get(nxt)
+            if r is not None:
+                return nxt, r
+            memo[nxt] = out
+            if len(memo) > self._memo_max:
+                memo.popitem(last=False)
+        return nxt, out
+
+    def _fast_init(self) -> tuple:
+        """The fixed arguments of :func:`.kernels.canon_row` (views, no copies of big arrays)."""
+        H = self.H
+        W = H.W
+        n_seg = (len(H.banned_ptr) - 1) // H.C if H.C and len(H.banned_ptr) else 1
+        ctx = H.ctx_classes.reshape(H.ctx_classes.shape[0], -1) if H.ctx_classes.size else np.zeros((1, 1), np.int64)
+        static = (
+            np.ascontiguousarray(self.base_rows, dtype=np.int32).view(np.uint32).reshape(-1, W),
+            np.ascontiguousarray(self.base_index, dtype=np.int32),
+            int(H.C), np.ascontiguousarray(H.banned_ptr, dtype=np.int64), np.ascontiguousarray(H.banned_ids),
+            max(int(n_seg), 1), np.ascontiguousarray(H.start_row, dtype=np.int32).view(np.uint32),
+            np.ascontiguousarray(H.sigma_rows, dtype=np.int32).view(np.uint32),
+            np.ascontiguousarray(H.sigma_full, dtype=bool), np.ascontiguousarray(H.sigma_la, dtype=bool),
+            np.ascontiguousarray(H.la_sets_idx, dtype=np.int64), np.ascontiguousarray(H.class_group, dtype=np.int64),
+            np.ascontiguousarray(ctx, dtype=np.int64), np.ascontiguousarray(self.M.accepting, dtype=bool),
+            np.ascontiguousarray(H.sigma_end, dtype=bool), np.ascontiguousarray(self.eos_ids, dtype=np.int64),
+        )
+        self._kstatic = static
+        return static
+
+    def _step_init(self) -> tuple:
+        """``(kernels.canon_step, its fixed arguments)``: those of :func:`.kernels.canon_row`, M's group
+        CSR and the per-token ``int32[V, 4]`` table (cached on the helper, once per tokenizer)."""
+        H, M = self.H, self.M
+        static = self._kstatic if self._kstatic is not None else self._fast_init()
+        info = getattr(H, "_fst_tok_info", None)
+        if info is None:
+            info = np.ascontiguousarray(np.stack([H.j_of, H.tok_bf_byte, H.ctx_j, H.tclass], axis=1).astype(np.int32))
+            H._fst_tok_info = info
+        acc = np.ascontiguousarray(H.acc, dtype=np.int32) if H.acc is not None else np.zeros((1, 256), np.int32)
+        args = static + (
+            np.ascontiguousarray(M.token_group, dtype=np.int32), np.ascontiguousarray(M.edge_ptr, dtype=np.int64),
+            np.ascontiguousarray(M.edge_group, dtype=np.int32), np.ascontiguousarray(M.edge_next, dtype=np.int32),
+            info, acc, H.acc is not None, int(self.nsig), int(self.NK), int(self.n_acc),
+        )
+        step = (_kernels().canon_step, args)
+        self._kstep = step
+        return step
+
+    def _fast_specials(self, s: int) -> None:
+        """Build (if missing) the special-token table of regex state s -- the kernels' ``spec`` rows,
+        columns ``kernels.SP_*`` -- and publish it in a new ``_fspec`` snapshot under key
+        ``_key_of_s[s]``. The special tokens are those of :meth:`_Analysis.specials_of`; plain ones carry
+        :meth:`_specials`' badmask (bit σ = successor bad, read from ``tag_bits``), context-dependent ones
+        the ``ctx_classes`` row and the ``tag_bits`` row of their target's bad table, byte-fallback tokens
+        that open a character a row of ``inner_cache`` (decided on first use, :meth:`_decide_inner`)."""
+        kernels = _kernels()
+        H, an = self.H, self.an
+        key = int(self._key_of_s[s])
+        if self._fspec[1][key] >= 0:
+            return
+        st = self._spec_static if self._spec_static is not None else self._spec_static_init()
+        gs, ts = an._edges(s)
+        if len(gs) and len(an.spec_toks):
+            pos = np.minimum(np.searchsorted(gs, an.spec_group), len(gs) - 1)
+            idx = np.flatnonzero(gs[pos] == an.spec_group)
+        else:
+            pos = idx = np.zeros(0, dtype=np.int64)
+        spec = st[idx]  # (a copy)
+        tgts = ts[pos[idx]].astype(np.int64)
+        spec[:, kernels.SP_TGT] = tgts
+        trow = self._tag_rows(an.tag[tgts], tgts)
+        tag_bits = self._tag_bits
+        kind = spec[:, kernels.SP_KIND]
+        plain = kind == kernels.KIND_PLAIN
+        spec[plain, kernels.SP_ARG] = tag_bits[trow[plain], np.maximum(H.tclass[spec[plain, kernels.SP_TOK]], 0)]
+        ctx = kind == kernels.KIND_CTX
+        spec[ctx, kernels.SP_ROW] = trow[ctx]
+        inner = np.flatnonzero(kind == kernels.KIND_INNER)
+        with self._lock:
+            spec_all, key_lo, key_hi, icache, _ = self._fspec
+            if key_lo[key] >= 0:  # another thread built it meanwhile
+                return
+            if len(inner):
+                spec[inner, kernels.SP_ARG] = len(icache) + np.arange(len(inner), dtype=np.int64)
+                icache = np.concatenate([icache, np.zeros((len(inner), 2), dtype=np.int64)])
+                self._has_inner = True
+            key_lo, key_hi = key_lo.copy(), key_hi.copy()
+            key_lo[key], key_hi[key] = len(spec_all), len(spec_all) + len(spec)
+            spec_all = np.concatenate([spec_all, spec]) if len(spec) else spec_all
+            self._fspec = (spec_all, key_lo, key_hi, icache, self._tag_bits)
+
+    def _spec_static_init(self) -> np.ndarray:
+        """``int64[n_spec, 7]``: the state-independent columns of the special tokens of the analysis
+        (``an.spec_toks``): token, lookahead class of the first character, whitespace-final index, kind
+        (:meth:`_compute_row_numpy`'s cases: never valid; plain; context-dependent class; byte-fallback
+        token opening a character, which takes precedence), and the ``ctx_classes`` row of ctx tokens."""
+        kernels = _kernels()
+        H, an = self.H, self.an
+        toks = an.spec_toks
+        n = len(toks)
+        st = np.zeros((n, 7), dtype=np.int64)
+        lf = H.la_first[toks]
+        never = (H.tclass[toks] < 0) | (lf < 0)
+        inner = (H.tok_bf_byte[toks] >= 0) & (an.bf_start[toks] >= 0)
+        ctx = (H.ctx_j[toks] >= 0) & ~inner
+        kind = np.full(n, kernels.KIND_PLAIN, dtype=np.int64)
+        kind[ctx] = kernels.KIND_CTX
+        kind[inner] = kernels.KIND_INNER
+        kind[never] = kernels.KIND_NEVER
+        st[:, kernels.SP_TOK] = toks
+        st[:, kernels.SP_LF] = np.maximum(lf, 0)
+        st[:, kernels.SP_J] = H.j_of[toks]
+        st[:, kernels.SP_KIND] = kind
+        st[ctx, kernels.SP_ARG] = H.ctx_j[toks[ctx]]
+        self._spec_static = st
+        return st
+
+    def _tag_rows(self, tags: np.ndarray, tgts: np.ndarray) -> np.ndarray:
+        """``int64[n]``: rows of ``_tag_bits`` for the bad-table tags ``tags`` of regex states ``tgts``; new
+        tags get a row (:meth:`_tag_sigma_mask`: bit σ set per class when (class, σ) is bad). The caller
+        publishes the grown table with its next ``_fspec`` snapshot."""
+        tra = self._tag_row_arr
+        missing = tags[tra[tags] < 0]
+        if len(missing):
+            with self._lock:
+                new = [tg for tg in np.unique(missing).tolist() if tra[tg] < 0]
+                if new:
+                    rows = [self._tag_sigma_mask(tg, int(tgts[np.flatnonzero(tags == tg)[0]])) for tg in new]
+                    n0 = len(self._tag_bits)
+                    self._tag_bits = np.concatenate([self._tag_bits, np.stack(rows)])
+                    tra[new] = n0 + np.arange(len(new))  # (after the table holds the rows)
+        return tra[tags]
+
+    def _decide_inner(self, out: np.ndarray, spec: np.ndarray, icache: np.ndarray, pend: np.ndarray, k: int) -> None:
+        """The kernel's pending byte-fallback tokens (open a multi-byte character): decide them with
+        :meth:`_Analysis.inner_good`, set their bits in ``out``, remember the verdict per (token, σ) in
+        ``icache`` when it does not depend on k (the token's class is not context-dependent)."""
+        H, an = self.H, self.an
+        for i, nsig in pend.tolist():
+            v = int(spec[i, 0])
+            good = an.inner_good(int(spec[i, 6]), H.next_cls(k, v), nsig, int(an.bf_start[v]))
+            if good:
+                out[v >> 5] |= np.int32(np.uint32(1 << (v & 31)).view(np.int32))
+            if H.ctx_j[v] < 0:
+                r = int(spec[i, 4])
+                with self._lock:
+                    if not good:
+                        icache[r, 1] |= 1 << nsig
+                    icache[r, 0] |= 1 << nsig
+
+    def _compute_row_numpy(self, s: int, a: int, k: int, sig: int) -> np.ndarray:
+        """Reference path of :meth:`compute_row` (numpy; also the ``a > 0`` case)."""
         H, an = self.H, self.an
         if a == 0:
             row = self.base_rows[self.base_index[s]] & H.not_banned_row(k)
@@ -1014,6 +1267,63 @@ class FactoredCanonical:
         return a == 0 and bool(self.M.accepting[s]) and bool(self.H.sigma_end[sig])
 
     def next_state(self, state: int, token: int) -> int:
+        """Packed successor of ``state`` after ``token`` (-1 if not allowed or EOS): the (memoized) row of
+        ``state`` decides, then :meth:`successor`. Same result as :meth:`_next_state_reference`."""
+        if not 0 <= token < self.H.V:
+            return -1
+        row = self.row(state)
+        if not (int(row[token >> 5]) >> (token & 31)) & 1:
+            return -1
+        if token in self._eos_set:
+            return -1
+        return self.successor(state, token)
+
+    def successor(self, state: int, token: int) -> int:
+        """Packed successor of ``state`` after ``token``, for a non-EOS ``token`` known to be allowed in
+        ``state`` (its row bit is set; not checked here): the regex transition (binary search in M's
+        group CSR), the lookahead set after a whitespace-final token, the byte-fallback acceptor move
+        and the class reached (context-dependent tokens: by the context group of the previous class).
+        Scalar Python on cached lists, no numpy call besides scalar reads (~1–2 µs). -1 if M has no
+        transition (cannot happen for an allowed token)."""
+        ep = self._edges_py if self._edges_py is not None else self._init_edges_py()
+        tg, eptr, egrp, enxt, info, la, ctxc, cgrp, acc, nsig_n, NK, n_acc, START = ep
+        x, sig = divmod(state, nsig_n)
+        x, kk = divmod(x, NK)
+        s, a = divmod(x, n_acc)
+        g = int(tg[token])
+        if g < 0:
+            return -1
+        lo, hi = eptr[s], eptr[s + 1]
+        i = bisect_left(egrp, g, lo, hi)
+        if i >= hi or egrp[i] != g:
+            return -1
+        j, b, cj, cls = info[token]
+        k = START if kk == 0 else kk - 1
+        nsig = int(la[k, j]) if j >= 0 else 0
+        a2 = 0
+        if b >= 0 and acc is not None:
+            m = int(acc[a, b])
+            a2 = m if m >= 0 else 0
+        if cj >= 0:
+            cls = int(ctxc[cj, cgrp[k]])
+        return ((enxt[i] * n_acc + a2) * NK + (0 if cls == START else cls + 1)) * nsig_n + nsig
+
+    def _init_edges_py(self):
+        """Python lists for :meth:`successor`: M's CSR (O(E), built on the first call), and per token
+        ``(whitespace-final index, byte-fallback byte, context index, class)`` (cached per tokenizer on
+        the helper: ~10 ms for 50k tokens, once)."""
+        H, M = self.H, self.M
+        info = getattr(H, "_fst_token_info", None)
+        if info is None:
+            info = list(zip(H.j_of.tolist(), H.tok_bf_byte.tolist(), H.ctx_j.tolist(), H.tclass.tolist()))
+            H._fst_token_info = info
+        ep = (M.token_group, M.edge_ptr.tolist(), M.edge_group.tolist(), M.edge_next.tolist(), info,
+              H.la_sets_idx, H.ctx_classes, H.class_group.tolist(), H.acc, self.nsig, self.NK, self.n_acc, H.START)
+        self._edges_py = ep
+        return ep
+
+    def _next_state_reference(self, state: int, token: int) -> int:
+        """The numpy formulation of :meth:`next_state` (tests)."""
         H = self.H
         if not 0 <= token < H.V:
             return -1

@@ -124,7 +124,8 @@ class _ClassTrie:
     node_cid: np.ndarray  # int32[N] trie node -> class node (-1 dead)
 
 
-def _class_trie(trie: TokenTrie, bcls: np.ndarray, K: int, deadline: float) -> _ClassTrie:
+def _class_trie_numpy(trie: TokenTrie, bcls: np.ndarray, K: int, deadline: float) -> _ClassTrie:
+    """Reference path of :func:`.kernels.class_trie` (numpy, level by level)."""
     N = trie.num_nodes
     cid = np.full(N, -1, dtype=np.int32)
     cid[0] = 0
@@ -157,11 +158,12 @@ def _class_trie(trie: TokenTrie, bcls: np.ndarray, K: int, deadline: float) -> _
     return _ClassTrie(parent=parent, label=label, child_ptr=child_ptr, node_cid=cid)
 
 
-def _walk(
+def _walk_numpy(
     ct: _ClassTrie, group_of_cnode: np.ndarray, rep_byte: np.ndarray, table: np.ndarray,
     sources: np.ndarray, deadline: float, max_edges: int,
 ):
-    """Edges (src index, group, byte state) of all tokens from all ``sources`` (byte states)."""
+    """Edges (src index, group, byte state) of all tokens from all ``sources`` (byte states), level by
+    level (reference path of :func:`_walk_numba`)."""
     src = np.arange(len(sources), dtype=np.int32)
     node = np.zeros(len(sources), dtype=np.int32)
     q = sources.astype(np.int32)
@@ -214,13 +216,21 @@ def build_token_dfa(
     deadline: float | None = None,
     max_states: int = 50_000,
     max_edges: int = 20_000_000,
+    backend: str = "numba",
 ) -> TokenDFA:
-    """Compose the byte DFA with the detokenizer of ``trie`` under ``byte_policy`` (module docstring).
+    """Compose the byte DFA with the detokenizer of ``trie`` under ``byte_policy`` (module docstring;
+    paper 001 Alg. 2, 004 Eq. 3).
 
     Args:
-        bdfa: the byte-level regex DFA (:func:`.regex_to_bytes.byte_dfa_table`).
+        bdfa: the byte-level regex DFA (:func:`.regex_to_bytes.byte_dfa_table`; ``table: int32[n, 256]``).
         trie: the tokenizer's :class:`TokenTrie`.
         byte_policy: ``"all"``, ``"no_ascii_with_piece"`` or ``"canonical"`` (000 §4.3).
+        deadline: ``time.perf_counter()`` value after which :class:`CompileBudgetError` is raised
+            (default: now + 5 s). The numba walk checks it between chunks of ~1 M trie arcs (a few ms).
+        max_states: token-DFA state budget (before trimming).
+        max_edges: budget of (state, group) transitions found per discovery round.
+        backend: ``"numba"`` (compiled kernels of :mod:`.kernels`, the default) or ``"numpy"`` (the
+            vectorized reference path). Both give identical arrays (``tests/test_compiler.py``).
 
     Returns:
         The trimmed :class:`TokenDFA`.
@@ -228,13 +238,17 @@ def build_token_dfa(
     Raises:
         EmptyLanguageError: no token sequence spells a string of the language.
         CompileBudgetError: budgets (states, edges, deadline) exceeded.
+        ValueError: unknown ``byte_policy`` or ``backend``.
     """
     if deadline is None:
         deadline = time.perf_counter() + 5.0
+    if backend not in ("numba", "numpy"):
+        raise ValueError(f"unknown backend {backend!r}")
+    fast = backend == "numba"
     table = bdfa.table
     V = trie.vocab_size
     bcls, K, rep_byte = _byte_classes(table)
-    ct = _class_trie(trie, bcls, K, deadline)
+    ct = _class_trie_numba(trie, bcls, K, deadline) if fast else _class_trie_numpy(trie, bcls, K, deadline)
     M = len(ct.parent)
     # groups = class nodes where at least one enabled token ends
     mask = policy_token_mask(trie, byte_policy)
@@ -242,7 +256,12 @@ def build_token_dfa(
     has_node = mask & (trie.tok_node >= 0)
     tok_cid[has_node] = ct.node_cid[trie.tok_node[has_node]]
     tok_cid[tok_cid == 0] = -1  # empty spelling: never
-    gnodes = np.unique(tok_cid[tok_cid >= 0])
+    if fast:  # (sorted distinct class nodes, as np.unique; a bitmap instead of a hash table)
+        from . import kernels
+
+        gnodes = kernels.unique_states(tok_cid[tok_cid >= 0], max(M, 1)).astype(tok_cid.dtype)
+    else:
+        gnodes = np.unique(tok_cid[tok_cid >= 0])
     group_of_cnode = np.full(M, -1, dtype=np.int32)
     group_of_cnode[gnodes] = np.arange(len(gnodes), dtype=np.int32)
     token_group = np.where(tok_cid >= 0, group_of_cnode[np.maximum(tok_cid, 0)], -1).astype(np.int32)
@@ -271,7 +290,12 @@ def build_token_dfa(
 
     def new_plain(qs: np.ndarray) -> None:
         nonlocal n_states
-        qs = np.unique(qs)
+        if fast:
+            from . import kernels
+
+            qs = kernels.unique_states(np.ascontiguousarray(qs), nb)
+        else:
+            qs = np.unique(qs)
         qs = qs[plain_id[qs] < 0]
         if len(qs):
             plain_id[qs] = np.arange(n_states, n_states + len(qs))
@@ -304,9 +328,10 @@ def build_token_dfa(
         plain_sel = np.flatnonzero(ka < 0)
         if len(plain_sel):
             srcs = kq[plain_sel]
-            s_i, g, nq = _walk(ct, group_of_cnode, rep_byte, table, srcs, deadline, max_edges)
+            walk = _walk_numba if fast else _walk_numpy
+            s_i, g, nq = walk(ct, group_of_cnode, rep_byte, table, srcs, deadline, max_edges)
             if len(s_i):
-                new_plain(nq.astype(np.int64))
+                new_plain(nq if fast else nq.astype(np.int64))
                 E_s.append(lo + plain_sel[s_i])
                 E_g.append(g.astype(np.int64))
                 E_n.append(plain_id[nq])
@@ -337,11 +362,146 @@ def build_token_dfa(
     kq_all = np.asarray(keys_q, dtype=np.int64)
     ka_all = np.asarray(keys_a, dtype=np.int64)
     acc_all = (ka_all < 0) & bdfa.final[kq_all]
-    es, eg, en, token_group, G = _merge_groups(es, eg, en, token_group, G, n_states)
-    return _finish(n_states, es, eg, en, acc_all, token_group, G, kq_all.astype(np.int32))
+    if fast:
+        es, eg, en, token_group, G = _merge_groups_numba(es, eg, en, token_group, G, n_states)
+        return _finish_numba(n_states, es, eg, en, acc_all, token_group, G, kq_all.astype(np.int32))
+    es, eg, en, token_group, G = _merge_groups_numpy(es, eg, en, token_group, G, n_states)
+    return _finish_numpy(n_states, es, eg, en, acc_all, token_group, G, kq_all.astype(np.int32))
 
 
-def _merge_groups(es, eg, en, token_group, G, n_states):
+# --- numba path (kernels.py): same results as the numpy functions below, array for array -------------
+
+_WALK_CHUNK_VISITS = 1 << 20  # trie arcs per kernel call between deadline checks (~2-5 ms)
+
+
+def _class_trie_numba(trie: TokenTrie, bcls: np.ndarray, K: int, deadline: float) -> _ClassTrie:
+    """:func:`_class_trie_numpy` in one kernel call (O(live trie nodes): ~2 ms for 10^5, less when the
+    regex kills most bytes)."""
+    from . import kernels
+
+    nb = bcls[trie.node_byte.astype(np.int64)].astype(np.int32)
+    cid, parent, label = kernels.class_trie(
+        np.ascontiguousarray(trie.node_parent, dtype=np.int32), nb,
+        np.ascontiguousarray(trie.child_ptr, dtype=np.int64), max(int(K), 1),
+    )
+    if time.perf_counter() > deadline:
+        raise CompileBudgetError("regex compilation exceeded the time budget", None)
+    M = len(parent)
+    counts = np.bincount(parent[1:], minlength=M) if M > 1 else np.zeros(M, dtype=np.int64)
+    child_ptr = np.concatenate([[1], 1 + np.cumsum(counts)]).astype(np.int64)
+    return _ClassTrie(parent=parent, label=label, child_ptr=child_ptr, node_cid=cid)
+
+
+def _class_trie_depth(ct: _ClassTrie) -> int:
+    """Depth of the class trie: the DFS stack size of :func:`.kernels.walk_sources`. Nodes are numbered
+    level by level, so level d+1 is the child range of level d's node range. O(depth)."""
+    cp = ct.child_ptr
+    lo, hi, d = 0, 1, 0
+    while True:
+        nlo, nhi = int(cp[lo]), int(cp[hi])
+        if nhi <= nlo:
+            return d
+        d += 1
+        lo, hi = nlo, nhi
+
+
+def _walk_numba(
+    ct: _ClassTrie, group_of_cnode: np.ndarray, rep_byte: np.ndarray, table: np.ndarray,
+    sources: np.ndarray, deadline: float, max_edges: int,
+):
+    """:func:`_walk_numpy` with :func:`.kernels.walk_sources` (depth first, chunks of sources bounded by
+    ``_WALK_CHUNK_VISITS`` trie arcs, deadline and ``max_edges`` checked between chunks) and
+    :func:`.kernels.bucket_by_level` (the emissions in the numpy path's level-by-level order).
+    Returns ``(src index int32[e], group int32[e], byte state int32[e])``."""
+    from . import kernels
+
+    e = np.zeros(0, dtype=np.int32)
+    if len(rep_byte) == 0 or len(sources) == 0:  # no byte is ever accepted (the language is {ε})
+        return e, e, e
+    byte_of_cnode = rep_byte[np.maximum(ct.label, 0)].astype(np.int32)
+    gc = np.ascontiguousarray(group_of_cnode, dtype=np.int32)
+    tab = np.ascontiguousarray(table, dtype=np.int32)
+    src = np.ascontiguousarray(sources, dtype=np.int32)
+    per_source = int((gc >= 0).sum())  # one source emits at most once per group node
+    depth = _class_trie_depth(ct)
+    cap = max(1 << 16, 2 * per_source)
+    bufs = [np.empty(cap, dtype=np.int32) for _ in range(4)]
+    n_out = 0
+    i = 0
+    while i < len(src):
+        if n_out + per_source > len(bufs[0]):  # room for at least one more source
+            cap = max(2 * len(bufs[0]), n_out + 2 * per_source)
+            grown = [np.empty(cap, dtype=np.int32) for _ in range(4)]
+            for b_old, b_new in zip(bufs, grown):
+                b_new[:n_out] = b_old[:n_out]
+            bufs = grown
+        i, n_out = kernels.walk_sources(ct.child_ptr, byte_of_cnode, gc, tab, src, i, _WALK_CHUNK_VISITS, depth,
+                                        per_source, *bufs, n_out)
+        if n_out > max_edges:
+            raise CompileBudgetError(f"token automaton exceeds {max_edges} group transitions", None)
+        if time.perf_counter() > deadline:
+            raise CompileBudgetError("regex compilation exceeded the time budget", None)
+    if n_out == 0:
+        return e, e, e
+    lv, s_i, g, q = (b[:n_out] for b in bufs)
+    return kernels.bucket_by_level(lv, s_i, g, q)
+
+
+def _merge_groups_numba(es, eg, en, token_group, G, n_states):
+    """:func:`_merge_groups_numpy` with the per-edge work in kernels (:func:`.kernels.group_hash_sums`,
+    :func:`.kernels.merge_dedup`); the per-group part (lexsort of the hash sums) stays numpy."""
+    from . import kernels
+
+    if len(eg) == 0 or G <= 1:
+        return es, eg, en, token_group, G
+    rng = np.random.default_rng(7)
+    ra = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
+    rb = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
+    rc = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
+    es = np.ascontiguousarray(es, dtype=np.int64)
+    eg = np.ascontiguousarray(eg, dtype=np.int64)
+    en = np.ascontiguousarray(en, dtype=np.int64)
+    s1a, s2a, cnta = kernels.group_hash_sums(es, eg, en, ra, rb, rc, int(G))
+    groups_present = np.flatnonzero(cnta)
+    s1, s2, cnt = s1a[groups_present], s2a[groups_present], cnta[groups_present]
+    o = np.lexsort((cnt, s2, s1))
+    diff = np.concatenate([[True], (s1[o][1:] != s1[o][:-1]) | (s2[o][1:] != s2[o][:-1]) | (cnt[o][1:] != cnt[o][:-1])])
+    inv = np.empty(len(o), dtype=np.int64)
+    inv[o] = np.cumsum(diff) - 1
+    newg = np.full(G, -1, dtype=np.int64)
+    newg[groups_present] = inv
+    n_new = int(inv.max()) + 1 if len(inv) else 0
+    if n_new == len(groups_present):
+        return es, eg, en, token_group, G
+    members = np.bincount(inv, minlength=n_new).astype(np.int64)
+    ok, u_es, u_g, u_en = kernels.merge_dedup(es, en, newg[eg], n_new, int(n_states), members)
+    if not ok:  # a hash collision: keep the fine groups
+        return es, eg, en, token_group, G
+    tg = np.where(token_group >= 0, newg[np.maximum(token_group, 0)], -1)
+    tg = np.where(tg >= 0, tg, -1).astype(np.int32)
+    return u_es, u_g, u_en, tg, n_new
+
+
+def _finish_numba(S_all, es, eg, en, acc_all, token_group, G, byte_state) -> TokenDFA:
+    """:func:`_finish_numpy` in one kernel call (:func:`.kernels.finish`)."""
+    from . import kernels
+
+    ok, S, edge_ptr, eg2, en2, old_of_new = kernels.finish(
+        np.ascontiguousarray(es, dtype=np.int64), np.ascontiguousarray(eg, dtype=np.int64),
+        np.ascontiguousarray(en, dtype=np.int64), np.ascontiguousarray(acc_all, dtype=bool), int(S_all),
+    )
+    if not ok:
+        raise EmptyLanguageError(
+            "no token sequence satisfies the constraint (empty under the vocabulary and filters)", None
+        )
+    return TokenDFA(
+        num_states=int(S), accepting=acc_all[old_of_new], edge_ptr=edge_ptr, edge_group=eg2.astype(np.int32),
+        edge_next=en2.astype(np.int32), token_group=token_group, num_groups=G,
+        byte_state=byte_state[old_of_new],
+    )
+
+
+def _merge_groups_numpy(es, eg, en, token_group, G, n_states):
     """Merge groups that behave identically from every state (same set of (state, next state) pairs):
     class strings that differ only in bytes no state along their paths tells apart (e.g. two words
     inside a JSON string). Exact: candidate merges come from a hash of the pair sets and are verified.
@@ -388,7 +548,7 @@ def _merge_groups(es, eg, en, token_group, G, n_states):
     return u_es, u_g, u_en, tg, n_new
 
 
-def _finish(S_all, es, eg, en, acc_all, token_group, G, byte_state) -> TokenDFA:
+def _finish_numpy(S_all, es, eg, en, acc_all, token_group, G, byte_state) -> TokenDFA:
     """Restrict to states reachable from 0 that reach an accepting state; renumber in BFS order;
     sort edges by (state, group)."""
     # reachability from 0

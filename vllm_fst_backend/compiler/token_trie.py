@@ -112,7 +112,13 @@ _LOCK = threading.Lock()
 
 def trie_for(artifacts) -> TokenTrie:
     """The (cached) :class:`TokenTrie` of a :class:`TokenizerArtifacts` (or anything with
-    ``token_bytes``, ``byte_fallback`` and ``fingerprint``). Thread-safe; built once per tokenizer."""
+    ``token_bytes``, ``byte_fallback`` and ``fingerprint``). Thread-safe; built once per tokenizer.
+
+    The first call in a process also compiles (or loads from numba's on-disk cache) the kernels of
+    :mod:`.kernels` (:func:`.kernels.warm_up`), so that no compile budget ever pays the JIT."""
+    from .kernels import warm_up
+
+    warm_up()
     with _LOCK:
         try:
             got = _TRIES.get(artifacts)

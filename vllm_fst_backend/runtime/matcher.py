@@ -35,7 +35,7 @@ class FstMatcher:
     """
 
     __slots__ = ("compiled", "eos_ids", "_eos", "_state", "_terminated", "_history", "num_processed_tokens",
-                 "_row", "_row_t", "_W", "_eos_row", "_eos_row_t", "_np_cache")
+                 "_row", "_row_t", "_W", "_eos_row", "_eos_row_t", "_np_cache", "_fc")
 
     def __init__(self, compiled, eos_ids=None):
         self.compiled = compiled
@@ -51,6 +51,8 @@ class FstMatcher:
         self._eos_row = eos_row
         self._eos_row_t = torch.from_numpy(eos_row)
         self._np_cache = None
+        # factored canonical automata: one compiled step per token (successor + its row), accept_tokens
+        self._fc = getattr(compiled, "factored", None)
         self.reset()
 
     # --- state --------------------------------------------------------------------------------------------
@@ -84,9 +86,16 @@ class FstMatcher:
         return self.compiled.next_state(state, token)
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        """Advance over ``tokens`` (atomic); True iff all were accepted (module docstring)."""
+        """Advance over ``tokens`` (atomic); True iff all were accepted (module docstring).
+
+        Factored canonical automata (:class:`~vllm_fst_backend.compiler.canonical_product.FactoredCanonical`)
+        take :meth:`_accept_factored`: one compiled call per token checks it against the current row
+        (already computed for ``fill_bitmask``), computes the successor and its row
+        (``FactoredCanonical.advance``; memoized per automaton)."""
         if self._terminated:
             return True
+        if self._fc is not None:
+            return self._accept_factored(self._fc, tokens)
         state = self._state
         new_states = []
         terminated = False
@@ -111,6 +120,42 @@ class FstMatcher:
         if state != self._state:
             self._state = state
             self._set_row()
+        self._terminated = terminated
+        return True
+
+    def _accept_factored(self, fc, tokens) -> bool:
+        """:meth:`accept_tokens` on a factored automaton (same semantics and results as the generic path:
+        ``tests/test_matcher.py``)."""
+        state = self._state
+        row = self._row
+        eos = self._eos
+        new_states = []
+        terminated = False
+        for t in tokens:
+            t = int(t)
+            if t in eos:
+                if not fc.is_accepting(state):
+                    return False
+                terminated = True
+                new_states.append(state)
+                break
+            nxt, row = fc.advance(state, row, t)
+            if nxt < 0:
+                return False
+            new_states.append(nxt)
+            state = nxt
+        if not new_states:
+            return True
+        hist = self._history
+        prev = self._state
+        for s in new_states:
+            hist.append(prev)
+            prev = s
+        self.num_processed_tokens += len(new_states)
+        if state != self._state:
+            self._state = state
+            self._row = row
+            self._row_t = None
         self._terminated = terminated
         return True
 

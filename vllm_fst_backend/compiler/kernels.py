@@ -1,0 +1,762 @@
+"""Compiled (numba) hot loops of the compiler and of the factored canonical automaton.
+
+Every kernel is ``@numba.njit(cache=True, nogil=True)``: compiled once per machine (the machine code is
+cached next to this file, or in numba's user cache directory when that is read-only, so a server restart
+does not JIT again) and run without the GIL, so a compile in one thread does not stall the others.
+:func:`warm_up` compiles (or loads) all of them on tiny inputs; :func:`.token_trie.trie_for` calls it
+once per process, inside :func:`.compile.prepare`, i.e. outside any compile budget.
+
+Kernels cannot read the clock cheaply, so the long-running ones work in bounded chunks and return to
+Python, which checks the deadline between chunks (:func:`walk_sources`: at most ``max_visits`` class-trie
+arcs per call).
+
+Token DFA (:mod:`.token_dfa`, paper 001 Alg. 2 / 004 Eq. 3: byte DFA ∘ detokenizer, projected on tokens;
+each kernel reproduces one numpy step of the reference path exactly, see the function docstrings):
+
+* :func:`class_trie` -- the class trie (token-trie nodes merged by byte-class strings);
+* :func:`walk_sources` + :func:`bucket_by_level` -- the walk of the class trie from many byte states;
+* :func:`group_hash_sums` + :func:`merge_dedup` -- merging groups with identical behaviour;
+* :func:`finish` -- trim (reachable and co-reachable) and BFS renumbering.
+
+Factored canonical product (:mod:`.canonical_product`, 004 Eq. 5 / §6.5):
+
+* :func:`canon_row` -- the allowed-token row of a product state ``(s, 0, k, σ)``;
+* :func:`canon_step` -- one decoding step: successor state and its row in one call.
+
+Bit rows use vLLM's layout: ``int32[W]``, token ``v`` is bit ``v & 31`` of word ``v >> 5``; kernels
+work on ``uint32`` views of them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+
+__all__ = [
+    "class_trie", "walk_sources", "unique_states", "bucket_by_level", "group_hash_sums", "merge_dedup", "finish",
+    "canon_row", "canon_step", "warm_up",
+]
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Token DFA
+# --------------------------------------------------------------------------------------------------
+
+
+@_jit
+def class_trie(node_parent, node_class, child_ptr, K):
+    """Class trie of a token trie (``token_dfa._class_trie_numpy``): node ids assigned level by level,
+    within a level in increasing ``(parent class node, byte class)`` order. Only live nodes are visited
+    (children of live nodes through dead bytes are skipped with their subtrees): a counting sort per
+    level by parent, then an insertion sort of each parent's (few) distinct child labels.
+
+    Args:
+        node_parent: ``int32[N]`` token-trie parents (-1 for the root).
+        node_class: ``int32[N]`` byte class (``0..K-1``) of the arc into each node (-1 = dead byte).
+        child_ptr: ``int64[N+1]`` token-trie children (contiguous per node).
+        K: number of byte classes (> 0).
+
+    Returns:
+        ``(cid int32[N], parent int32[M], label int32[M])``: class node of each trie node (-1 = dead),
+        and the parent (-1 for the root) and byte class (-1 for the root) of each class node.
+    """
+    N = node_parent.shape[0]
+    cid = np.full(N, -1, np.int32)
+    parent = np.empty(N, np.int32)
+    label = np.empty(N, np.int32)
+    if N == 0:
+        return cid, parent[:0], label[:0]
+    cid[0] = 0
+    parent[0] = -1
+    label[0] = -1
+    next_id = 1
+    prev_lo = 0  # class nodes of the previous level: prev_lo..next_id-1
+    slot = np.full(K, -1, np.int64)
+    labs = np.empty(K, np.int64)
+    cnt = np.zeros(N + 1, np.int64)
+    live = np.empty(N, np.int64)  # live trie nodes of the previous level
+    cand = np.empty(N, np.int64)  # their live children
+    bucket = np.empty(N, np.int64)
+    live[0] = 0
+    n_prev_live = 1
+    while True:
+        n_prev = next_id - prev_lo
+        for u in range(n_prev + 1):
+            cnt[u] = 0
+        n_live = 0
+        for x in range(n_prev_live):
+            u = live[x]
+            for i in range(child_ptr[u], child_ptr[u + 1]):
+                if node_class[i] >= 0:
+                    cand[n_live] = i
+                    n_live += 1
+                    cnt[cid[u] - prev_lo + 1] += 1
+        if n_live == 0:
+            break
+        # counting sort of the live nodes of this level by their parent's class node
+        for u in range(1, n_prev + 1):
+            cnt[u] += cnt[u - 1]
+        for x in range(n_live):
+            i = cand[x]
+            pc = cid[node_parent[i]] - prev_lo
+            p = cnt[pc]
+            cnt[pc] = p + 1
+            bucket[p] = i
+        # per parent class node: its distinct labels in increasing order get consecutive ids
+        level_lo = next_id
+        start = 0
+        for u in range(n_prev):
+            end = cnt[u]
+            if end == start:
+                continue
+            n_l = 0
+            for p in range(start, end):
+                lab = node_class[bucket[p]]
+                if slot[lab] < 0:
+                    slot[lab] = 0
+                    labs[n_l] = lab
+                    n_l += 1
+            for x in range(1, n_l):  # insertion sort (n_l <= K, usually 1)
+                y = labs[x]
+                z = x - 1
+                while z >= 0 and labs[z] > y:
+                    labs[z + 1] = labs[z]
+                    z -= 1
+                labs[z + 1] = y
+            for j in range(n_l):
+                slot[labs[j]] = next_id
+                parent[next_id] = prev_lo + u
+                label[next_id] = labs[j]
+                next_id += 1
+            for p in range(start, end):
+                i = bucket[p]
+                cid[i] = slot[node_class[i]]
+            for j in range(n_l):
+                slot[labs[j]] = -1
+            start = end
+        prev_lo = level_lo
+        for x in range(n_live):
+            live[x] = cand[x]
+        n_prev_live = n_live
+    return cid, parent[:next_id], label[:next_id]
+
+
+@_jit
+def walk_sources(child_ptr, byte_of_cnode, group_of_cnode, table, sources, start, max_visits, max_depth,
+                 per_source_max, o_l, o_s, o_g, o_q, n0):
+    """Depth-first walk of the class trie from ``sources[start:]`` (byte states at a token boundary).
+
+    Every class node ``c`` reached from source ``i`` (its byte string is defined from ``sources[i]``)
+    that carries a group emits ``(depth(c), i, group_of_cnode[c], byte state)``. Per source the emission
+    order is the preorder of the trie, children in id order; :func:`bucket_by_level` then orders all
+    emissions by depth (stable), which is exactly the level-by-level frontier order of
+    ``token_dfa._walk_numpy``.
+
+    Args:
+        child_ptr: ``int64[M+1]`` children of class node c are ``child_ptr[c]:child_ptr[c+1]``.
+        byte_of_cnode: ``int32[M]`` a byte of the class of the arc into each node.
+        group_of_cnode: ``int32[M]`` group ending at each node, -1 if none.
+        table: ``int32[n, 256]`` byte DFA (-1 = reject).
+        sources: ``int32[n_src]`` byte states.
+        start: first source index to walk.
+        max_visits: no new source is started once this many trie arcs were tried in this call (the
+            first one always is).
+        max_depth: depth of the class trie (the DFS stack size).
+        per_source_max: bound on one source's emissions (the number of class nodes with a group); no
+            new source is started unless that many output slots are free.
+        o_l, o_s, o_g, o_q: ``int32[cap]`` output buffers (level, source index, group, byte state),
+            ``cap >= n0 + per_source_max``.
+        n0: emissions already in the buffers (written from there on).
+
+    Returns:
+        ``(next_start, n_out)``: the first source not walked (``len(sources)`` when done) and the
+        number of emissions in the buffers (``n0`` included).
+    """
+    n = sources.shape[0]
+    cap = o_l.shape[0]
+    n_out = n0
+    st_q = np.empty(max_depth + 2, np.int32)
+    st_it = np.empty(max_depth + 2, np.int64)
+    st_end = np.empty(max_depth + 2, np.int64)
+    visits = 0
+    i = start
+    while i < n:
+        if i > start and (visits >= max_visits or n_out + per_source_max > cap):
+            break
+        top = 0
+        st_q[0] = sources[i]
+        st_it[0] = child_ptr[0]
+        st_end[0] = child_ptr[1]
+        while top >= 0:
+            c = st_it[top]
+            if c == st_end[top]:
+                top -= 1
+                continue
+            st_it[top] = c + 1
+            visits += 1
+            nq = table[st_q[top], byte_of_cnode[c]]
+            if nq < 0:
+                continue
+            g = group_of_cnode[c]
+            if g >= 0:
+                o_l[n_out] = top + 1
+                o_s[n_out] = i
+                o_g[n_out] = g
+                o_q[n_out] = nq
+                n_out += 1
+            lo = child_ptr[c]
+            hi = child_ptr[c + 1]
+            if lo < hi:
+                top += 1
+                st_q[top] = nq
+                st_it[top] = lo
+                st_end[top] = hi
+        i += 1
+    return i, n_out
+
+
+@_jit
+def unique_states(q, n_states):
+    """Sorted distinct values of ``q`` (``int32[e]`` or ``int64[e]``, values in ``0..n_states-1``) as
+    ``int64[u]`` (``np.unique`` with a bitmap: O(e + n_states))."""
+    seen = np.zeros(n_states, np.bool_)
+    u = 0
+    for i in range(q.shape[0]):
+        if not seen[q[i]]:
+            seen[q[i]] = True
+            u += 1
+    out = np.empty(u, np.int64)
+    j = 0
+    for v in range(n_states):
+        if seen[v]:
+            out[j] = v
+            j += 1
+    return out
+
+
+@_jit
+def bucket_by_level(level, src, grp, state):
+    """Stable counting sort of the emissions of :func:`walk_sources` by ``level`` (``int32[e]``, >= 1).
+    Returns ``(src, grp, state)`` reordered (``int32[e]`` each)."""
+    e = level.shape[0]
+    if e == 0:
+        return src.copy(), grp.copy(), state.copy()
+    D = 0
+    for i in range(e):
+        if level[i] > D:
+            D = level[i]
+    cnt = np.zeros(D + 2, np.int64)
+    for i in range(e):
+        cnt[level[i] + 1] += 1
+    for d in range(1, D + 2):
+        cnt[d] += cnt[d - 1]
+    s2 = np.empty(e, np.int32)
+    g2 = np.empty(e, np.int32)
+    q2 = np.empty(e, np.int32)
+    for i in range(e):
+        p = cnt[level[i]]
+        cnt[level[i]] = p + 1
+        s2[p] = src[i]
+        g2[p] = grp[i]
+        q2[p] = state[i]
+    return s2, g2, q2
+
+
+@_jit
+def group_hash_sums(es, eg, en, ra, rb, rc, G):
+    """Per group g: ``(Σ ra[es]*(rb[en]|1) + rc[en], Σ rb[es]*(rc[en]|1) + ra[en], count)`` over its edges,
+    int64 arithmetic wrapping modulo 2⁶⁴ (the sums of ``token_dfa._merge_groups_numpy``; order-free).
+
+    Args:
+        es, eg, en: ``int64[E]`` edges (source state, group, next state).
+        ra, rb, rc: ``int64[n_states]`` random vectors.
+        G: number of groups.
+
+    Returns:
+        ``(s1 int64[G], s2 int64[G], cnt int64[G])``.
+    """
+    s1 = np.zeros(G, np.int64)
+    s2 = np.zeros(G, np.int64)
+    cnt = np.zeros(G, np.int64)
+    for i in range(es.shape[0]):
+        a = es[i]
+        b = en[i]
+        g = eg[i]
+        s1[g] += ra[a] * (rb[b] | 1) + rc[b]
+        s2[g] += rb[a] * (rc[b] | 1) + ra[b]
+        cnt[g] += 1
+    return s1, s2, cnt
+
+
+@_jit
+def merge_dedup(es, en, ng, n_new, n_states, members):
+    """Verify a candidate group merge and deduplicate the edges (``token_dfa._merge_groups_numpy``).
+
+    The merge is exact iff for every (new group, source) pair present there are exactly
+    ``members[new group]`` edges, all to the same state (each old group has at most one edge per
+    source). Pairs are tallied in a dense ``n_new × n_states`` table when it has at most 2²⁴ cells, else
+    the edges are sorted by (new group, source) with two stable counting sorts.
+
+    Args:
+        es, en: ``int64[E]`` source and next state; ng: ``int64[E]`` new group of each edge.
+        n_new: number of new groups; n_states: number of states; members: ``int64[n_new]`` old groups
+            per new group.
+
+    Returns:
+        ``(ok, u_es int64[U], u_g int64[U], u_en int64[U])`` -- the deduplicated edges sorted by
+        (group, source, next state); empty arrays when ``ok`` is False (a hash collision).
+    """
+    E = es.shape[0]
+    e0 = np.zeros(0, np.int64)
+    if np.int64(n_new) * n_states <= (1 << 24):
+        cells = n_new * n_states
+        tgt = np.full(cells, -1, np.int64)
+        cnt = np.zeros(cells, np.int64)
+        n_u = 0
+        for i in range(E):
+            c = ng[i] * n_states + es[i]
+            if cnt[c] == 0:
+                tgt[c] = en[i]
+                n_u += 1
+            elif tgt[c] != en[i]:
+                return False, e0, e0, e0
+            cnt[c] += 1
+        u_es = np.empty(n_u, np.int64)
+        u_g = np.empty(n_u, np.int64)
+        u_en = np.empty(n_u, np.int64)
+        j = 0
+        for g in range(n_new):
+            m = members[g]
+            for s in range(n_states):
+                c = g * n_states + s
+                k = cnt[c]
+                if k == 0:
+                    continue
+                if k != m:
+                    return False, e0, e0, e0
+                u_es[j] = s
+                u_g[j] = g
+                u_en[j] = tgt[c]
+                j += 1
+        return True, u_es, u_g, u_en
+    cnt = np.zeros(n_states + 1, np.int64)
+    for i in range(E):
+        cnt[es[i] + 1] += 1
+    for s in range(1, n_states + 1):
+        cnt[s] += cnt[s - 1]
+    by_s = np.empty(E, np.int64)
+    for i in range(E):
+        p = cnt[es[i]]
+        cnt[es[i]] = p + 1
+        by_s[p] = i
+    cg = np.zeros(n_new + 1, np.int64)
+    for i in range(E):
+        cg[ng[i] + 1] += 1
+    for g in range(1, n_new + 1):
+        cg[g] += cg[g - 1]
+    order = np.empty(E, np.int64)
+    for j in range(E):
+        i = by_s[j]
+        p = cg[ng[i]]
+        cg[ng[i]] = p + 1
+        order[p] = i
+    u_es = np.empty(E, np.int64)
+    u_g = np.empty(E, np.int64)
+    u_en = np.empty(E, np.int64)
+    n_u = 0
+    j = 0
+    while j < E:
+        i0 = order[j]
+        g = ng[i0]
+        s = es[i0]
+        t = en[i0]
+        j2 = j + 1
+        while j2 < E and ng[order[j2]] == g and es[order[j2]] == s:
+            if en[order[j2]] != t:
+                return False, e0, e0, e0
+            j2 += 1
+        if j2 - j != members[g]:
+            return False, e0, e0, e0
+        u_es[n_u] = s
+        u_g[n_u] = g
+        u_en[n_u] = t
+        n_u += 1
+        j = j2
+    return True, u_es[:n_u], u_g[:n_u], u_en[:n_u]
+
+
+@_jit
+def finish(es, eg, en, acc_all, S_all):
+    """Trim and renumber a token automaton (``token_dfa._finish_numpy``): keep the states co-reachable
+    (reverse search from accepting states) and reachable from 0 (BFS over each state's edges in input
+    order, numbering states by discovery), then sort the edges by (state, group), stably.
+
+    Args:
+        es, eg, en: ``int64[E]`` edges (source, group, next state) over states ``0..S_all-1``.
+        acc_all: ``bool[S_all]`` accepting states.
+
+    Returns:
+        ``(ok, S, edge_ptr int64[S+1], edge_group int64[E'], edge_next int64[E'], old_of_new int64[S])``;
+        ``ok`` is False (and the arrays empty) when state 0 is not co-reachable (an empty language).
+    """
+    E = es.shape[0]
+    # edges per source, stable
+    ptr = np.zeros(S_all + 1, np.int64)
+    for i in range(E):
+        ptr[es[i] + 1] += 1
+    for s in range(1, S_all + 1):
+        ptr[s] += ptr[s - 1]
+    fill = ptr[:-1].copy()
+    by_s = np.empty(E, np.int64)
+    for i in range(E):
+        p = fill[es[i]]
+        fill[es[i]] = p + 1
+        by_s[p] = i
+    # predecessors
+    rptr = np.zeros(S_all + 1, np.int64)
+    for i in range(E):
+        rptr[en[i] + 1] += 1
+    for s in range(1, S_all + 1):
+        rptr[s] += rptr[s - 1]
+    rfill = rptr[:-1].copy()
+    rsrc = np.empty(E, np.int64)
+    for i in range(E):
+        p = rfill[en[i]]
+        rfill[en[i]] = p + 1
+        rsrc[p] = es[i]
+    alive = acc_all.copy()
+    stack = np.empty(S_all + 1, np.int64)
+    top = 0
+    for s in range(S_all):
+        if alive[s]:
+            stack[top] = s
+            top += 1
+    while top > 0:
+        top -= 1
+        v = stack[top]
+        for p in range(rptr[v], rptr[v + 1]):
+            u = rsrc[p]
+            if not alive[u]:
+                alive[u] = True
+                stack[top] = u
+                top += 1
+    e0 = np.zeros(0, np.int64)
+    if S_all == 0 or not alive[0]:
+        return False, 0, e0, e0, e0, e0
+    new_id = np.full(S_all, -1, np.int64)
+    queue = np.empty(S_all, np.int64)
+    new_id[0] = 0
+    queue[0] = 0
+    n = 1
+    head = 0
+    while head < n:
+        v = queue[head]
+        head += 1
+        for p in range(ptr[v], ptr[v + 1]):
+            i = by_s[p]
+            t = en[i]
+            if alive[t] and new_id[t] < 0:
+                new_id[t] = n
+                queue[n] = t
+                n += 1
+    # kept edges in (old source, input) order, then stable sort by group, then by new source
+    kept = np.empty(E, np.int64)
+    m = 0
+    G = 0
+    for p in range(E):
+        i = by_s[p]
+        if alive[en[i]] and new_id[es[i]] >= 0:
+            kept[m] = i
+            m += 1
+            if eg[i] + 1 > G:
+                G = eg[i] + 1
+    cg = np.zeros(G + 1, np.int64)
+    for p in range(m):
+        cg[eg[kept[p]] + 1] += 1
+    for g in range(1, G + 1):
+        cg[g] += cg[g - 1]
+    by_g = np.empty(m, np.int64)
+    for p in range(m):
+        i = kept[p]
+        q = cg[eg[i]]
+        cg[eg[i]] = q + 1
+        by_g[q] = i
+    edge_ptr = np.zeros(n + 1, np.int64)
+    for p in range(m):
+        edge_ptr[new_id[es[kept[p]]] + 1] += 1
+    for s in range(1, n + 1):
+        edge_ptr[s] += edge_ptr[s - 1]
+    fill2 = edge_ptr[:-1].copy()
+    out_g = np.empty(m, np.int64)
+    out_n = np.empty(m, np.int64)
+    for p in range(m):
+        i = by_g[p]
+        s = new_id[es[i]]
+        q = fill2[s]
+        fill2[s] = q + 1
+        out_g[q] = eg[i]
+        out_n[q] = new_id[en[i]]
+    old_of_new = np.empty(n, np.int64)
+    for v in range(S_all):
+        if new_id[v] >= 0:
+            old_of_new[new_id[v]] = v
+    return True, n, edge_ptr, out_g, out_n, old_of_new
+
+
+# --------------------------------------------------------------------------------------------------
+# Factored canonical product: one row
+# --------------------------------------------------------------------------------------------------
+
+# columns of the special-token tables (``FactoredCanonical._fast_specials``)
+SP_TOK, SP_LF, SP_J, SP_KIND, SP_ARG, SP_ROW, SP_TGT = 0, 1, 2, 3, 4, 5, 6
+KIND_NEVER, KIND_PLAIN, KIND_CTX, KIND_INNER = -1, 0, 1, 2
+# statuses of canon_step besides a pending count >= 0
+STEP_REJECT, STEP_NEED_SPEC, STEP_NEED_PY = -1, -2, -3
+
+
+@_jit
+def _row_into(out, s, k, sig, spec, lo, hi, tag_bits, inner_cache, pending, base_rows, base_index, C, banned_ptr,
+              banned_ids, n_seg, start_row, sigma_rows, sigma_full, sigma_la, la_sets_idx, class_group, ctx_classes,
+              accepting, sigma_end, eos_ids):
+    """Body of :func:`canon_row` / :func:`canon_step` (``out`` is the ``uint32`` view; the special tokens
+    of s are rows ``lo:hi`` of ``spec``). Returns the number of pending pairs."""
+    W = out.shape[0]
+    base = base_rows[base_index[s]]
+    # ~banned[k] (or the start row): the special tokens are checked against it, then it is narrowed
+    if k == C:
+        for w in range(W):
+            out[w] = start_row[w]
+    else:
+        for w in range(W):
+            out[w] = np.uint32(0xFFFFFFFF)
+        for h in range(n_seg):
+            a = banned_ptr[k * n_seg + h]
+            b = banned_ptr[k * n_seg + h + 1]
+            off = h * 65536
+            for p in range(a, b):
+                v = off + np.int64(banned_ids[p])
+                out[v >> 5] &= ~(np.uint32(1) << np.uint32(v & 31))
+    passed = np.empty(hi - lo, np.int64)
+    n_ok = 0
+    n_pend = 0
+    grp = class_group[k]
+    for i in range(lo, hi):
+        kind = spec[i, 3]
+        if kind < 0:
+            continue
+        v = spec[i, 0]
+        if not sigma_la[sig, spec[i, 1]]:
+            continue
+        if ((out[v >> 5] >> np.uint32(v & 31)) & np.uint32(1)) == 0:
+            continue
+        j = spec[i, 2]
+        nsig = la_sets_idx[k, j] if j >= 0 else 0
+        if nsig < 0:
+            continue
+        if kind == 0:
+            if (spec[i, 4] >> nsig) & 1:
+                continue
+        elif kind == 1:
+            cv = ctx_classes[spec[i, 4], grp]
+            if cv < 0:
+                cv += C  # numpy's negative indexing, as the reference path
+            if (tag_bits[spec[i, 5], cv] >> nsig) & 1:
+                continue
+        else:
+            r = spec[i, 4]
+            if (inner_cache[r, 0] >> nsig) & 1:
+                if (inner_cache[r, 1] >> nsig) & 1:
+                    continue
+            else:
+                pending[n_pend, 0] = i
+                pending[n_pend, 1] = nsig
+                n_pend += 1
+                continue
+        passed[n_ok] = v
+        n_ok += 1
+    if sigma_full[sig]:
+        for w in range(W):
+            out[w] &= base[w]
+    else:
+        for w in range(W):
+            out[w] &= base[w] & sigma_rows[sig, w]
+    for p in range(n_ok):
+        v = passed[p]
+        out[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+    if accepting[s] and sigma_end[sig]:
+        for e in range(eos_ids.shape[0]):
+            v = eos_ids[e]
+            out[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+    return n_pend
+
+
+@_jit
+def canon_row(out_i32, s, k, sig, spec, key_lo, key_hi, key, tag_bits, inner_cache, pending, base_rows, base_index, C,
+              banned_ptr, banned_ids, n_seg, start_row, sigma_rows, sigma_full, sigma_la, la_sets_idx, class_group,
+              ctx_classes, accepting, sigma_end, eos_ids):
+    """Allowed-token row of the factored canonical state ``(s, 0, k, σ)`` (paper 004 Eq. 5 with the
+    implicit A_BPE of §6.5; same bits as ``FactoredCanonical._compute_row_numpy``):
+    ``base[s] & ~banned[k] (& lookahead row of σ) | the special tokens of s that pass | EOS``.
+    The per-call arguments come first; the rest (from ``base_rows`` on) are fixed per automaton.
+
+    Args:
+        out_i32: ``int32[W]`` output row (overwritten).
+        s: regex state; k: class of the last token (``k == C``: START, ``start_row`` replaces
+            ``~banned[k]``); sig: σ index.
+        spec: ``int64[n, 7]`` special-token tables of all signatures built so far, one after the other;
+            the table of s is rows ``key_lo[key]:key_hi[key]`` (``int64[R]`` each). Columns ``SP_*``: token, lookahead
+            class of its first character, whitespace-final index (-1: none), kind ``KIND_*``, argument
+            (plain: bit σ' set = the successor with lookahead set σ' is bad; ctx: row of
+            ``ctx_classes``; inner: row of ``inner_cache``), row of ``tag_bits`` (ctx: the successor's
+            bad table), target regex state.
+        tag_bits: ``int64[n_rows, C]`` (bit σ' set = (class, σ') bad in that bad table).
+        inner_cache: ``int64[n_inner, 2]``: per σ' bit, verdict known / bad (byte-fallback tokens that
+            open a character; filled in by the caller).
+        pending: ``int64[m, 2]`` with ``m >=`` the number of inner rows of the table; on return its
+            first rows hold the (spec row, σ') pairs the caller must decide.
+        base_rows: ``uint32[R, W]``; base_index: ``int32[S]``.
+        banned_ptr, banned_ids: the canonical filter's CSR (``int64[C*n_seg+1]`` offsets, ``uint16`` ids
+            in ``n_seg`` segments of 65,536 ids per class; row k is contiguous).
+        start_row: ``uint32[W]``; sigma_rows: ``uint32[nσ, W]``; sigma_full: ``bool[nσ]`` (σ holds every
+            lookahead class: no row AND).
+        sigma_la: ``bool[nσ, L]``; la_sets_idx: ``int64[C+1, J]`` (-1 = empty set); class_group:
+            ``int64[C+1]``; ctx_classes: ``int64[n_ctx, n_groups]``.
+        accepting: ``bool[S]``; sigma_end: ``bool[nσ]``; eos_ids: ``int64[e]`` (EOS allowed iff
+            ``accepting[s] and sigma_end[sig]``).
+
+    Returns:
+        The number of pending pairs: inner tokens whose verdict is not in ``inner_cache`` yet; the
+        caller decides them and sets their bits.
+    """
+    return _row_into(out_i32.view(np.uint32), s, k, sig, spec, key_lo[key], key_hi[key], tag_bits,
+                     inner_cache, pending, base_rows, base_index, C, banned_ptr, banned_ids, n_seg, start_row,
+                     sigma_rows, sigma_full, sigma_la, la_sets_idx, class_group, ctx_classes, accepting,
+                     sigma_end, eos_ids)
+
+
+@_jit
+def canon_step(out_i32, row_i32, state, token, spec, key_lo, key_hi, key_of_s, tag_bits, inner_cache, pending,
+               base_rows, base_index, C, banned_ptr, banned_ids, n_seg, start_row, sigma_rows, sigma_full, sigma_la,
+               la_sets_idx, class_group, ctx_classes, accepting, sigma_end, eos_ids, token_group, edge_ptr,
+               edge_group, edge_next, tok_info, acc, has_acc, n_sig, NK, n_acc):
+    """One decoding step of the factored canonical automaton: the successor of packed ``state`` after
+    the non-EOS ``token`` and, in the same call, the row of that successor (:func:`canon_row`). Same
+    results as ``FactoredCanonical.next_state`` followed by ``compute_row``.
+
+    Args:
+        out_i32: ``int32[W]`` receives the successor's row (when the status is >= 0).
+        row_i32: ``int32[W]`` row of ``state`` (``token`` must have its bit set).
+        state: packed ``((s * n_acc + a) * NK + kk) * n_sig + σ`` (kk = 0 for START, k + 1 for class k).
+        token: token id (``0 <= token < V``, not EOS).
+        spec, key_lo, key_hi, tag_bits, inner_cache, pending, base_rows ... eos_ids: as :func:`canon_row`;
+        key_of_s: ``int64[S]`` table of each regex state (``key_lo[key] < 0``: not built yet).
+        token_group: ``int32[V]``; edge_ptr: ``int64[S+1]``; edge_group: ``int32[E]`` (sorted per state);
+            edge_next: ``int32[E]`` -- the token DFA M.
+        tok_info: ``int32[V, 4]`` per token: whitespace-final index, byte of a byte-fallback token,
+            context index, class (-1: none).
+        acc: ``int32[n_acc, 256]`` byte-fallback acceptor (used iff ``has_acc``).
+
+    Returns:
+        ``(next_state, status)``: status >= 0 = the row is in ``out_i32`` with that many pending pairs;
+        ``STEP_REJECT`` (next_state -1): not allowed; ``STEP_NEED_SPEC``: the successor's table is not
+        built; ``STEP_NEED_PY``: the successor is inside a byte-fallback character (row in Python).
+    """
+    x = state
+    sig = x % n_sig
+    x //= n_sig
+    kk = x % NK
+    x //= NK
+    a = x % n_acc
+    s = x // n_acc
+    if ((row_i32[token >> 5] >> (token & 31)) & 1) == 0:
+        return -1, STEP_REJECT
+    g = token_group[token]
+    if g < 0:
+        return -1, STEP_REJECT
+    lo = edge_ptr[s]
+    hi = edge_ptr[s + 1]
+    while lo < hi:  # first edge with group >= g
+        mid = (lo + hi) >> 1
+        if edge_group[mid] < g:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo >= edge_ptr[s + 1] or edge_group[lo] != g:
+        return -1, STEP_REJECT
+    t = np.int64(edge_next[lo])
+    k = C if kk == 0 else kk - 1
+    j = tok_info[token, 0]
+    nsig = la_sets_idx[k, j] if j >= 0 else 0
+    b = tok_info[token, 1]
+    a2 = 0
+    if b >= 0 and has_acc:
+        m = acc[a, b]
+        a2 = m if m >= 0 else 0
+    cj = tok_info[token, 2]
+    cls = np.int64(tok_info[token, 3]) if cj < 0 else ctx_classes[cj, class_group[k]]
+    nxt = ((t * n_acc + a2) * NK + (0 if cls == C else cls + 1)) * n_sig + nsig
+    if a2 != 0:
+        return nxt, STEP_NEED_PY
+    key = key_of_s[t]
+    if key_lo[key] < 0:
+        return nxt, STEP_NEED_SPEC
+    k2 = C if cls == C or cls < 0 else cls  # (cls -1 packs as START, as in FactoredCanonical.pack)
+    n_pend = _row_into(out_i32.view(np.uint32), t, k2, nsig, spec, key_lo[key], key_hi[key], tag_bits,
+                       inner_cache, pending, base_rows, base_index, C, banned_ptr, banned_ids, n_seg, start_row,
+                       sigma_rows, sigma_full, sigma_la, la_sets_idx, class_group, ctx_classes, accepting,
+                       sigma_end, eos_ids)
+    return nxt, n_pend
+
+
+# --------------------------------------------------------------------------------------------------
+# warm-up
+# --------------------------------------------------------------------------------------------------
+
+_WARM = False
+_WARM_LOCK = threading.Lock()
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel on tiny inputs of the dtypes the callers use.
+    Idempotent and thread-safe; ~0.1 s with a warm cache, a few seconds the very first time."""
+    global _WARM
+    with _WARM_LOCK:
+        if _WARM:
+            return
+        i32 = np.zeros(2, np.int32)
+        i64 = np.zeros(2, np.int64)
+        class_trie(np.array([-1, 0], np.int32), np.array([0, 0], np.int32), np.array([1, 2, 2], np.int64), 1)
+        table = np.full((1, 256), -1, np.int32)
+        walk_sources(np.array([1, 1], np.int64), i32[:1], i32[:1], table, i32[:1], 0, 1, 1, 1, i32, i32, i32, i32, 0)
+        unique_states(i32, 1)
+        unique_states(i64, 1)
+        bucket_by_level(i32, i32, i32, i32)
+        group_hash_sums(i64, i64, i64, np.ones(1, np.int64), np.ones(1, np.int64), np.ones(1, np.int64), 1)
+        merge_dedup(i64, i64, i64, 1, 1, np.full(1, 2, np.int64))
+        merge_dedup(i64, i64, i64, 1 << 13, 1 << 12, np.full(1 << 13, 2, np.int64))
+        finish(i64, i64, i64, np.ones(1, bool), 1)
+        u = np.zeros(1, np.uint32)
+        u2 = np.zeros((1, 1), np.uint32)
+        b1 = np.ones(1, np.bool_)
+        # the canonical filter's CSR and start row are read-only memory maps: numba types read-only
+        # arrays apart, so warm both flavours
+        for writable in (True, False):
+            bptr, bids, start = i64.copy(), np.zeros(1, np.uint16), u.copy()
+            for x in (bptr, bids, start):
+                x.setflags(write=writable)
+            dyn = (np.zeros((0, 7), np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
+            row_args = (np.zeros((1, 1), np.int64), np.zeros((1, 2), np.int64), np.zeros((1, 2), np.int64), u2,
+                        np.zeros(1, np.int32), 1, bptr, bids, 1, start, u2, b1, np.ones((1, 1), np.bool_),
+                        np.zeros((2, 1), np.int64), i64, np.zeros((1, 1), np.int64), b1, b1, i64[:1])
+            canon_row(np.zeros(1, np.int32), 0, 0, 0, *dyn, 0, *row_args)
+            for row_writable in (True, False):  # (the matcher's rows are read-only memo entries)
+                row = np.zeros(1, np.int32)
+                row.setflags(write=row_writable)
+                canon_step(np.zeros(1, np.int32), row, 0, 0, *dyn, np.zeros(1, np.int64), *row_args,
+                           np.zeros(1, np.int32), i64, i32[:0], i32[:0], np.zeros((1, 4), np.int32),
+                           np.zeros((1, 256), np.int32), False, 1, 1, 1)
+        _WARM = True
