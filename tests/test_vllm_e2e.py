@@ -460,7 +460,7 @@ def test_jump_same_output_fewer_steps(server, tok, eos_ids):
 
 # ---- (e) bad requests: 400 with a message, and the next request is served ----------------------------------------
 
-STRUCTURAL_TAG = {  # valid for vLLM's own check (xgrammar), so the request reaches the fst validation
+STRUCTURAL_TAG = {  # valid for vLLM's own check (xgrammar): served by the fallback backend
     "type": "structural_tag",
     "structures": [{"begin": "<city>", "schema": {"type": "string"}, "end": "</city>"}],
     "triggers": ["<city>"],
@@ -470,11 +470,13 @@ BAD = [
     ({"structured_outputs": {"regex": "a+"}, "vllm_xargs": {"fst_bogus": 1}}, "fst_bogus"),
     ({"structured_outputs": {"regex": "a+"}, "vllm_xargs": {"fst_canonical": "maybe"}}, "fst_canonical"),
     ({"structured_outputs": {"regex": "a+"}, "vllm_xargs": {"fst_scripts": "klingon"}}, "klingon"),
-    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "grammar is not supported"),
-    ({"guided_grammar": 'root ::= "a"'}, "grammar is not supported"),
-    ({"structured_outputs": {"structural_tag": json.dumps(STRUCTURAL_TAG)}}, "structural_tag is not supported"),
-    ({"response_format": STRUCTURAL_TAG}, "structural_tag is not supported"),
+    # fst_* options on requests the fallback backend serves are refused, not ignored
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}, "vllm_xargs": {"fst_canonical": True}}, "fst_canonical"),
+    ({"guided_grammar": 'root ::= "a"', "vllm_xargs": {"fst_jump": True}}, "fst_jump"),
+    ({"structured_outputs": {"structural_tag": json.dumps(STRUCTURAL_TAG)}, "vllm_xargs": {"fst_scripts": "latin"}},
+     "fst_scripts"),
     ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}, "fst"),
+    ({"structured_outputs": {"json": {"type": "object", "minimum": "abc"}}}, "minimum"),
 ]
 
 

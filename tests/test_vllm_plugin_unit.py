@@ -31,6 +31,7 @@ from vllm_fst_backend.vllm import (  # noqa: E402
 )
 from vllm_fst_backend.errors import (  # noqa: E402
     ArtifactError,
+    CompileBudgetError,
     InvalidOptionError,
     InvalidSchemaError,
     RegexSyntaxError,
@@ -148,6 +149,8 @@ def fake_compile(regex, artifacts, options, budget_s):
     COMPILE_BUDGETS.append(budget_s)
     if regex.count("(") != regex.count(")"):
         raise RegexSyntaxError("unbalanced parenthesis", position=0)
+    if regex.startswith("slow"):
+        raise CompileBudgetError("regex compilation exceeded the time budget", None)
     return FakeCompiled(regex)
 
 
@@ -348,6 +351,24 @@ def test_validation_errors_are_400(fake_stages, monkeypatch):
     # options are checked even without a constraint
     with pytest.raises(VLLMValidationError, match="fst_scriptz"):
         _validate("fst", {"fst_scriptz": "latin"})
+
+
+def test_over_budget_goes_to_the_fallback_or_400_with_none(fake_stages, monkeypatch):
+    """A constraint over fst's compile budget is served by the fallback backend (vLLM's own validation of
+    that backend routes it), with VLLM_FST_FALLBACK=none it is a 400 naming the budget; a syntax error is a
+    400 whatever the setting (the fallback is not for bad constraints)."""
+    from vllm.exceptions import VLLMValidationError
+
+    monkeypatch.setenv("VLLM_FST_FALLBACK", "xgrammar")
+    sp = _validate("fst", None, regex="slow[a-z]+")
+    assert sp.structured_outputs._backend == "xgrammar"
+    with pytest.raises(VLLMValidationError, match="fst_jump"):
+        _validate("fst", {"fst_jump": True}, regex="slow[a-z]+")
+    with pytest.raises(VLLMValidationError, match="unbalanced"):
+        _validate("fst", None, regex="(ab")
+    monkeypatch.setenv("VLLM_FST_FALLBACK", "none")
+    with pytest.raises(VLLMValidationError, match="time budget.*VLLM_FST_FALLBACK=none"):
+        _validate("fst", None, regex="slow[a-z]+")
 
 
 def test_compile_budgets_validation_and_engine(fake_stages, monkeypatch):

@@ -1,12 +1,14 @@
 """Requests fst cannot express -- ``grammar`` (EBNF/Lark), ``structural_tag``, JSON schemas the converter
-refuses with ``UnsupportedSchemaError`` -- served by a backend built into vLLM, owned by ``FstBackend``
+refuses with ``UnsupportedSchemaError``, constraints whose compile goes over a budget -- served by a backend built into vLLM, owned by ``FstBackend``
 (vLLM 0.33 allows one backend per engine, so the fallback lives inside fst's own backend).
 
 ``$VLLM_FST_FALLBACK``: ``auto`` (default: vLLM's own choice between xgrammar and guidance, made by
 vLLM's validation in the API server), ``xgrammar``, ``guidance``, or ``none`` (such requests are an
 HTTP 400, as before). Routing: the API server's validation sets ``structured_outputs._backend`` to the
 built-in backend's name (vLLM's own validation of that backend sets it); the engine's ``FstBackend``
-hands every request whose ``_backend`` is not ``fst`` to :class:`FallbackBackends`.
+hands every request whose ``_backend`` is not ``fst`` to :class:`FallbackBackends` (vLLM 0.33: the engine's
+``grammar_init`` wrap first moves the built-in name to ``_fst_fallback`` and sets ``_backend`` to ``fst``,
+``backend.adopt_fallback_route``, since 0.33 allows one backend per engine).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import threading
 from typing import Any, Iterable
 
-from vllm_fst_backend.errors import InvalidOptionError, UnsupportedSchemaError
+from vllm_fst_backend.errors import CompileBudgetError, InvalidOptionError, UnsupportedSchemaError
 
 from .metrics import logger, metric_inc
 
@@ -24,7 +26,7 @@ FALLBACK_SETTINGS = ("auto", "xgrammar", "guidance", "none")
 DEFAULT_FALLBACK = "auto"
 # Constraint kinds fst never expresses (not regular languages in general).
 FALLBACK_KINDS = frozenset({"GRAMMAR", "STRUCTURAL_TAG"})
-# vLLM 0.32's built-in backends, by the name vLLM's validation writes into ``_backend``.
+# vLLM 0.32's / 0.33's built-in backends (lm-format-enforcer: deprecated in 0.33), by the name vLLM's validation writes into ``_backend``.
 BUILTIN_BACKENDS = ("xgrammar", "guidance", "outlines", "lm-format-enforcer")
 
 
@@ -42,15 +44,19 @@ def fallback_setting() -> str:
 
 def needs_fallback(kind: str, error: BaseException | None = None) -> bool:
     """Whether a constraint of ``kind`` (``StructuredOutputOptions`` name) goes to the fallback:
-    ``grammar`` / ``structural_tag`` always, a JSON schema when its conversion raised
-    ``UnsupportedSchemaError`` (``error``). Input-size errors never do (they are a 400)."""
-    return kind.upper() in FALLBACK_KINDS or (kind.upper() == "JSON" and isinstance(error, UnsupportedSchemaError))
+    ``grammar`` / ``structural_tag`` always; a JSON schema whose conversion raised
+    ``UnsupportedSchemaError``; any constraint whose compile went over a budget (``CompileBudgetError``:
+    time, memory, states, positions -- a request another backend may still answer). Input-size errors
+    (``InputTooLargeError``) and bad constraints never do (they are a 400)."""
+    return kind.upper() in FALLBACK_KINDS or isinstance(error, (UnsupportedSchemaError, CompileBudgetError))
 
 
 def fallback_reason(kind: str, error: BaseException | None = None) -> str:
     """Human-readable reason (log lines, 400 messages with ``none``)."""
     if kind.upper() in FALLBACK_KINDS:
         return f"structured_outputs.{kind.lower()} is not expressible by fst"
+    if isinstance(error, CompileBudgetError):
+        return f"the {kind.lower()} constraint is over fst's compile budget: {error}"
     return f"JSON schema not expressible by fst: {error}"
 
 

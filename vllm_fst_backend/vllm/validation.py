@@ -23,6 +23,7 @@ from typing import Any
 
 from vllm_fst_backend.errors import (
     ArtifactError,
+    CompileBudgetError,
     CompileServiceError,
     FstBackendError,
     InputTooLargeError,
@@ -159,7 +160,7 @@ def validate_structured_outputs(params: Any, orig: Any, model_config: Any, so_co
     except (InvalidConstraintError, InputTooLargeError) as e:
         raise validation_error(f"fst: {e}", parameter="structured_outputs") from None
     ws = getattr(so, "whitespace_pattern", None)
-    found, verdict = PRECHECKS.get(PrecheckResults.key(kind, spec, ws, options)) if kind == "JSON" else (False, None)
+    found, verdict = PRECHECKS.get(PrecheckResults.key(kind, spec, ws, options))
     if fallback.needs_fallback(kind, verdict):
         return _validate_fallback(params, orig, model_config, so_config, tokenizer, kind, verdict)
     try:
@@ -232,7 +233,7 @@ def check_in_process(kind: str, spec: Any, ws: str | None, options: Any, model_c
         regex = constraint_to_regex(kind, spec, ws)
         ctx = _context.get_tokenizer_context(model_config)
         res = ctx.compile(regex, options, budget_s)
-    except UnsupportedSchemaError as e:
+    except (UnsupportedSchemaError, CompileBudgetError) as e:
         return e
     except (FstBackendError, ImportError) as e:
         _raise_compile_error(kind, e)
@@ -286,20 +287,20 @@ async def aprecheck(request: Any, model_config: Any) -> None:
         return
     ws = getattr(so, "whitespace_pattern", None)
     key = PrecheckResults.key(kind, spec, ws, options)
-    if kind == "JSON" and PRECHECKS.get(key)[0]:
+    found, verdict = PRECHECKS.get(key)
+    if found and not isinstance(verdict, CompileBudgetError):  # a budget verdict depends on the load: retry
         return
     budget_s = _compile_budget()
     t0 = time.monotonic()
     try:
         checker = await asyncio.to_thread(_context.get_checker, model_config)  # may start processes
         await checker.acheck(kind, spec, whitespace_pattern=ws, options=options, budget_s=budget_s)
-    except UnsupportedSchemaError as e:
-        PRECHECKS.put(key, e)
+    except (UnsupportedSchemaError, CompileBudgetError) as e:
+        PRECHECKS.put(key, e)  # the sync hook routes it to the fallback (or answers 400 with "none")
         return
     except (FstBackendError, ImportError) as e:
         _raise_compile_error(kind, e)
     finally:
         metric_inc("precheck_seconds", time.monotonic() - t0)
     metric_inc("validated")
-    if kind == "JSON":
-        PRECHECKS.put(key, None)
+    PRECHECKS.put(key, None)
