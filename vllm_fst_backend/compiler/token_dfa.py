@@ -464,13 +464,7 @@ def _merge_groups_numba(es, eg, en, token_group, G, n_states):
     s1a, s2a, cnta = kernels.group_hash_sums(es, eg, en, ra, rb, rc, int(G))
     groups_present = np.flatnonzero(cnta)
     s1, s2, cnt = s1a[groups_present], s2a[groups_present], cnta[groups_present]
-    o = np.lexsort((cnt, s2, s1))
-    diff = np.concatenate([[True], (s1[o][1:] != s1[o][:-1]) | (s2[o][1:] != s2[o][:-1]) | (cnt[o][1:] != cnt[o][:-1])])
-    inv = np.empty(len(o), dtype=np.int64)
-    inv[o] = np.cumsum(diff) - 1
-    newg = np.full(G, -1, dtype=np.int64)
-    newg[groups_present] = inv
-    n_new = int(inv.max()) + 1 if len(inv) else 0
+    inv, newg, n_new = _candidate_groups(s1, s2, cnt, groups_present, G)
     if n_new == len(groups_present):
         return es, eg, en, token_group, G
     members = np.bincount(inv, minlength=n_new).astype(np.int64)
@@ -480,6 +474,19 @@ def _merge_groups_numba(es, eg, en, token_group, G, n_states):
     tg = np.where(token_group >= 0, newg[np.maximum(token_group, 0)], -1)
     tg = np.where(tg >= 0, tg, -1).astype(np.int32)
     return u_es, u_g, u_en, tg, n_new
+
+
+def _candidate_groups(s1, s2, cnt, groups_present, G):
+    """Candidate merged groups from the per-group pair-set hashes ``(s1, s2, cnt)`` (``int64[n]`` each,
+    for the groups ``groups_present``): ``(inv int64[n] new id per present group, newg int64[G] new id per
+    old group or -1, n_new)``. Equal hashes are only candidates: the callers verify them."""
+    o = np.lexsort((cnt, s2, s1))
+    diff = np.concatenate([[True], (s1[o][1:] != s1[o][:-1]) | (s2[o][1:] != s2[o][:-1]) | (cnt[o][1:] != cnt[o][:-1])])
+    inv = np.empty(len(o), dtype=np.int64)
+    inv[o] = np.cumsum(diff) - 1
+    newg = np.full(G, -1, dtype=np.int64)
+    newg[groups_present] = inv
+    return inv, newg, (int(inv.max()) + 1 if len(inv) else 0)
 
 
 def _finish_numba(S_all, es, eg, en, acc_all, token_group, G, byte_state) -> TokenDFA:
@@ -523,13 +530,7 @@ def _merge_groups_numpy(es, eg, en, token_group, G, n_states):
         s1 = np.add.reduceat(h1[order], starts)
         s2 = np.add.reduceat(h2[order], starts)
     cnt = np.diff(np.concatenate([starts, [len(order)]]))
-    o = np.lexsort((cnt, s2, s1))
-    diff = np.concatenate([[True], (s1[o][1:] != s1[o][:-1]) | (s2[o][1:] != s2[o][:-1]) | (cnt[o][1:] != cnt[o][:-1])])
-    inv = np.empty(len(o), dtype=np.int64)
-    inv[o] = np.cumsum(diff) - 1
-    newg = np.full(G, -1, dtype=np.int64)
-    newg[groups_present] = inv
-    n_new = int(inv.max()) + 1 if len(inv) else 0
+    inv, newg, n_new = _candidate_groups(s1, s2, cnt, groups_present, G)
     if n_new == len(groups_present):
         return es, eg, en, token_group, G
     # verify: within each merged group every member has exactly the same pair set
