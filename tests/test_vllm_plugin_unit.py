@@ -734,3 +734,19 @@ def test_schema_keywords_enforced_or_refused_by_name():
     with pytest.raises(UnsupportedSchemaError) as e:
         constraints.json_schema_to_regex({"type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}})
     assert e.value.keyword == "uniqueItems" and e.value.pointer == "/properties/x" and "uniqueItems" in str(e.value)
+
+
+def test_engine_serves_over_budget_constraint_by_the_fallback(fake_stages, monkeypatch):
+    """A constraint that reaches the engine unchecked (VLLM_FST_VALIDATE_COMPILE=0) and goes over fst's
+    budget there is handed to the fallback backend; with VLLM_FST_FALLBACK=none it fails with fst's error."""
+    backend = vbackend.FstBackend(_vllm_config(), tokenizer=None, vocab_size=64)
+    calls = []
+    monkeypatch.setattr(backend.fallback, "compile",
+                        lambda name, rt, spec, stop_token_ids=None: calls.append((name, spec)) or "fallback-grammar")
+    monkeypatch.setenv("VLLM_FST_FALLBACK", "guidance")
+    assert backend.compile_vllm_request(_engine_request(regex="slow[a-z]+")) == "fallback-grammar"
+    assert calls == [("guidance", "slow[a-z]+")]
+    assert isinstance(backend.compile_vllm_request(_engine_request(regex="(ab|cd)")), vbackend.FstGrammar)
+    monkeypatch.setenv("VLLM_FST_FALLBACK", "none")
+    with pytest.raises(CompileBudgetError, match="time budget"):
+        backend.compile_vllm_request(_engine_request(regex="slow[a-z]+"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from vllm_fst_backend.errors import ArtifactError, UnsupportedSchemaError
+from vllm_fst_backend.errors import ArtifactError, CompileBudgetError, InvalidOptionError, UnsupportedSchemaError
 
 from . import BACKEND_NAME, VLLM_VERSION_OK
 from . import context as _context
@@ -261,9 +261,13 @@ class FstBackend(_BackendBase):
                 stop_token_ids=stop_ids,
                 request_id=request.request_id,
             )
-        except UnsupportedSchemaError as e:
-            name = self.fallback.default_name()
+        except (UnsupportedSchemaError, CompileBudgetError) as e:  # reached the engine unchecked
+            try:
+                name = self.fallback.default_name()
+            except InvalidOptionError:  # VLLM_FST_FALLBACK=none: the request fails with fst's error
+                raise e from None
             logger.info("fst: request %s: %s; served by the fallback backend %s", request.request_id, e, name)
+            metric_inc("fallback", 1.0, kind=kind.lower())
             return self.fallback.compile(name, request_type, spec, stop_token_ids=stop_ids)
 
     def allocate_token_bitmask(self, max_num_seqs: int):
