@@ -544,3 +544,78 @@ def test_token_dfa_numba_budgets_and_empty(built_artifacts):
         assert td.num_states >= 2
     with pytest.raises(ValueError):
         token_dfa.build_token_dfa(bdfa, trie, "all", backend="cuda")
+
+
+# --- canonical dead-end analysis: numba / vectorized path == reference path (identical tables) --------------
+
+
+def _analysis_pair(arts, regex: str, monkeypatch):
+    """Compile ``regex`` (canonical) and rerun its dead-end analysis twice on the same token DFA: the fast
+    path (numba kernels, vectorized byte-fallback moves) and the reference path (``use_kernels=False``)."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+    from vllm_fst_backend.compiler import CompileBudgets
+
+    got = {}
+    real = cp.canonical_automaton
+
+    def spy(M, artifacts, trie, eos_ids, V, *, deadline, n_char_states, **kw):
+        got["args"] = (M, cp.canonical_helper(artifacts, trie), n_char_states)
+        return real(M, artifacts, trie, eos_ids, V, deadline=deadline, n_char_states=n_char_states, **kw)
+
+    monkeypatch.setattr(cp, "canonical_automaton", spy)
+    compile_regex(regex, arts, CompileOptions(), budgets=CompileBudgets(time_budget_s=120))
+    M, H, n = got["args"]
+    out = []
+    for use in (True, False):
+        an = cp._Analysis(M, H, time.perf_counter() + 300, n)
+        an.use_kernels = use
+        an.run(n)
+        out.append(an)
+    return cp, out[0], out[1]
+
+
+_MEMBER = r'"[a-z]{1,8}"[ ]?:[ ]?("[^"\\]{0,12}"|\d{1,3})'
+_SMALL_OBJECT = r"\{[ ]?(" + _MEMBER + r"([ ]?,[ ]?" + _MEMBER + r"){0,2})?[ ]?\}"
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize(
+    "regex", [_SMALL_OBJECT, r'"[^"\\]{0,20}"', r"[^a\n]{1,3}中文", r"[A-Za-z ,]{5,40}\."]
+)
+def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, regex):
+    """The dead-end analysis' fast path (kernels ``allows_some`` / ``pairs_clear``, vectorized
+    ``byte_moves`` / ``inner_good`` / ``opening_byte_ok``) gives exactly the reference verdicts: equal bad
+    tables and tags for every regex state, and equal byte-fallback moves (SentencePiece)."""
+    arts = fst_artifacts(name)
+    cp, fast, ref = _analysis_pair(arts, regex, monkeypatch)
+    assert len(fast.bad) == len(ref.bad)
+    for s, (a, b) in enumerate(zip(fast.bad, ref.bad)):
+        assert (a is None) == (b is None), (regex, s)
+        if a is not None:
+            assert np.array_equal(a, b), (regex, s)
+    assert np.array_equal(fast.tag, ref.tag)
+    H = fast.H
+    # the kernels against their numpy references on the analysis' own rows and random class sets
+    rng = np.random.default_rng(0)
+    for s in range(0, fast.M.num_states, max(1, fast.M.num_states // 8)):
+        row = fast.regular_row_packed(s)
+        k_arr = np.sort(rng.choice(H.C, size=min(H.C, 300), replace=False)).astype(np.int64)
+        assert np.array_equal(H.allows_some(row, k_arr), H.allows_some_numpy(row, k_arr))
+        toks, tgts = fast.specials_of(s)
+        for sig in range(fast.nsig):
+            o1 = np.zeros(len(k_arr), dtype=bool)
+            o2 = np.zeros(len(k_arr), dtype=bool)
+            lf = H.la_first[toks]
+            sel = (H.tclass[toks] >= 0) & (lf >= 0) & H.sigma_la[sig][np.maximum(lf, 0)]
+            vt, vg = toks[sel], tgts[sel]
+            idx = np.arange(len(k_arr))
+            fast._pairs_clear(k_arr, idx, sig, vt, vg, H.j_of[vt], o1)
+            fast._pairs_clear_numpy(k_arr, idx, sig, vt, vg, H.j_of[vt], o2)
+            assert np.array_equal(o1, o2), (regex, s, sig)
+        if H.acc is not None:
+            for a in range(1, H.acc.shape[0]):
+                for k in k_arr[:2].tolist():
+                    m1 = list(fast.byte_moves(s, k, 0, a))
+                    m2 = list(fast.byte_moves_reference(s, k, 0, a))
+                    assert m1 == m2, (regex, s, k, a)
+                    assert fast._inner_any(s, k, 0, a) == any(ok for _, ok in m2)

@@ -243,6 +243,15 @@ class CanonHelper:
         row ``row`` (``int32[W]``). Gathers only ``row``'s nonzero words, 512 classes at a time."""
         words = np.flatnonzero(row)
         out = np.zeros(len(k_arr), dtype=bool)
+        if len(words) and len(k_arr):
+            _kernels().allows_some(self.bt, np.ascontiguousarray(row, dtype=np.int32), words.astype(np.int64),
+                                   np.ascontiguousarray(k_arr, dtype=np.int64), out)
+        return out
+
+    def allows_some_numpy(self, row: np.ndarray, k_arr: np.ndarray) -> np.ndarray:
+        """Reference (numpy) :meth:`allows_some`, for tests."""
+        words = np.flatnonzero(row)
+        out = np.zeros(len(k_arr), dtype=bool)
         for a0 in range(0, len(k_arr), 512):
             part = np.asarray(k_arr[a0 : a0 + 512], dtype=np.int64)
             out[a0 : a0 + 512] = ((~self.bt[np.ix_(words, part)].T) & row[words]).any(axis=1)
@@ -360,7 +369,14 @@ def _sccs(n: int, ptr: np.ndarray, nxt: np.ndarray) -> list[list[int]]:
 
 
 class _Analysis:
-    """Dead-end analysis state for one compile (module docstring, step 1)."""
+    """Dead-end analysis state for one compile (module docstring, step 1).
+
+    ``use_kernels`` (default True): the hot loops run as numba kernels (:meth:`CanonHelper.allows_some`,
+    :meth:`_pairs_clear`) or vectorized (:meth:`byte_moves`, :meth:`opening_byte_ok`: one
+    :meth:`inner_good` per distinct (class reached, σ)); False selects the reference path (same
+    results; tests compare them)."""
+
+    use_kernels = True
 
     def __init__(self, M: TokenDFA, H: CanonHelper, deadline: float, n_char_states: int):
         self.M = M
@@ -414,6 +430,7 @@ class _Analysis:
         self.bad: list = [None] * S  # None (all good) or bool[nsig, C]
         self.tag = np.zeros(S, dtype=np.int64)  # 0 = all good; else unique id of the bad table
         self._tags: dict = {}
+        self._tag_full: dict = {}  # tag -> the bad table (bool[nsig, C]) with that tag
         self._tab = np.zeros((64, H.C), dtype=bool)
         self._mask_cache: dict = {}
         self._row_cache: dict = {}
@@ -426,6 +443,7 @@ class _Analysis:
         self.tclass_safe = np.maximum(H.tclass, 0)
         self._cache: dict = {}
         self._inner_memo: dict = {}
+        self._bstatic: dict = {}
 
     # --- helpers ---------------------------------------------------------------------------------------
 
@@ -443,13 +461,23 @@ class _Analysis:
         good = nsig >= 0
         if not len(tgts):
             return good
-        order = np.argsort(tgts, kind="stable")
-        ts = tgts[order]
-        cuts = np.flatnonzero(np.diff(ts)) + 1
-        for rows in np.split(order, cuts):
-            b = self.bad[int(tgts[rows[0]])]
-            if b is not None:
-                good[rows] &= ~b[np.maximum(nsig[rows], 0), cv[rows]]
+        # tag 0 <=> bad table None (all good): only rows whose target has a table need a gather, one per
+        # distinct tag (equal tags = equal tables)
+        tags = self.tag[tgts]
+        nz = np.flatnonzero(tags)
+        if not len(nz):
+            return good
+        tz = tags[nz]
+        if (tz == tz[0]).all():
+            rows = nz
+            good[rows] &= ~self._tag_full[int(tz[0])][np.maximum(nsig[rows], 0), cv[rows]]
+            return good
+        order = np.argsort(tz, kind="stable")
+        ts = tz[order]
+        cuts = np.concatenate([[0], np.flatnonzero(ts[1:] != ts[:-1]) + 1, [len(ts)]])
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            rows = nz[order[a:b]]
+            good[rows] &= ~self._tag_full[int(ts[a])][np.maximum(nsig[rows], 0), cv[rows]]
         return good
 
     # special tokens checked per batch in specials_clear: the [tokens x classes] work arrays stay
@@ -487,17 +515,26 @@ class _Analysis:
             if ctx_only.any():
                 c = np.flatnonzero(ctx_only)
                 good_t[c] = self.succ_good_many(vg[c], H.tclass[vt[c]].astype(np.int64), np.zeros(len(c), np.int64))
-            groups, ginv = np.unique(H.class_group[k_arr], return_inverse=True)
-            ginv = np.asarray(ginv).reshape(-1)
+            # group the classes by context group (np.unique without the sort: groups are small ints)
+            cg = H.class_group[k_arr]
+            if (cg == cg[0]).all():
+                groups = cg[:1]
+                members = [np.arange(len(k_arr))]
+            else:
+                cnt = np.bincount(cg)
+                groups = np.flatnonzero(cnt)
+                order = np.argsort(cg, kind="stable")
+                ends = np.cumsum(cnt[groups])
+                members = np.split(order, ends[:-1])
             c = np.flatnonzero(ctx_only)
             same = H.ctx_classes[H.ctx_j[vt[c]]][:, groups] == H.tclass[vt[c]][:, None]  # [len(c), groups]
             for u in range(len(groups)):
-                in_g = np.flatnonzero(ginv == u)
+                in_g = members[u]
                 regular_like = np.zeros(len(vt), dtype=bool)
                 regular_like[c] = same[:, u]
                 w = vt[regular_like & good_t]
                 if len(w):
-                    out[in_g[H.allows_some(_pack_ids(w, H.W), k_arr[in_g])]] = True
+                    out[in_g[self._allows_some(_pack_ids(w, H.W), k_arr[in_g])]] = True
                 rest = ~regular_like
                 self._pairs_clear(k_arr, in_g, sig, vt[rest], vg[rest], jw[rest], out)
         for v, t in zip(toks[inner].tolist(), tgts[inner].tolist()):
@@ -507,11 +544,48 @@ class _Analysis:
             out[idx[self.opening_byte_ok(k_arr[idx], v, t)]] = True
         return out
 
+    def _allows_some(self, row: np.ndarray, k_arr: np.ndarray) -> np.ndarray:
+        H = self.H
+        return H.allows_some(row, k_arr) if self.use_kernels else H.allows_some_numpy(row, k_arr)
+
     def _pairs_clear(self, k_arr: np.ndarray, idx: np.ndarray, sig: int, vt: np.ndarray, vg: np.ndarray,
                      jw: np.ndarray, out: np.ndarray) -> None:
         """The per-pair path of :meth:`specials_clear` for the classes ``k_arr[idx]`` not yet cleared
         in ``out`` (set in place): tokens ``vt`` (→ regex states ``vg``, lookahead-token indices ``jw``)
-        × classes in batches of at most ``_BATCH_CELLS`` entries."""
+        × classes. Numba kernel :func:`.kernels.pairs_clear` (per class, tokens in order until a good
+        one), with the bad tables of the tokens' targets stacked per distinct tag."""
+        if not self.use_kernels:
+            return self._pairs_clear_numpy(k_arr, idx, sig, vt, vg, jw, out)
+        if not len(vt) or not len(idx):
+            return
+        live = idx[~out[idx]]
+        if not len(live):
+            return
+        H = self.H
+        tags = self.tag[vg]
+        tab_of = np.full(len(vt), -1, dtype=np.int64)
+        nz = np.flatnonzero(tags)
+        if len(nz):
+            tz = tags[nz]
+            if (tz == tz[0]).all():
+                tabs = self._tag_full[int(tz[0])][None]
+                tab_of[nz] = 0
+            else:
+                tu, inv = np.unique(tz, return_inverse=True)
+                tabs = np.stack([self._tag_full[t] for t in tu.tolist()])
+                tab_of[nz] = np.asarray(inv).reshape(-1)
+        else:
+            tabs = np.zeros((1, 1, 1), dtype=bool)
+        sub = np.zeros(len(live), dtype=bool)
+        _kernels().pairs_clear(H.bt, H.tclass, H.ctx_j, H.ctx_classes, H.class_group, H.la_sets_idx, tabs, tab_of,
+                               np.ascontiguousarray(vt, dtype=np.int64), np.ascontiguousarray(jw, dtype=np.int64),
+                               np.ascontiguousarray(k_arr[live], dtype=np.int64), sub)
+        out[live[sub]] = True
+
+    def _pairs_clear_numpy(self, k_arr: np.ndarray, idx: np.ndarray, sig: int, vt: np.ndarray, vg: np.ndarray,
+                           jw: np.ndarray, out: np.ndarray) -> None:
+        """Reference (numpy) :meth:`_pairs_clear`: tokens × classes in batches of at most
+        ``_BATCH_CELLS`` entries."""
         H = self.H
         a = 0
         while a < len(vt):
@@ -535,7 +609,94 @@ class _Analysis:
         """Yield ``(v, good)`` for each byte-fallback token v allowed in product state (s, a, k, σ) with
         a > 0 (inside a byte-fallback character; lazily, so callers may stop at the first good one):
         not banned after class k, first character in σ, a regex move; ``good`` = its successor is good
-        (the character continues: :meth:`inner_good`; it ends: :meth:`succ_good`)."""
+        (the character continues: :meth:`inner_good`; it ends: :meth:`succ_good`). The filters are
+        vectorized over the acceptor's bytes (:meth:`_byte_static`); tokens in byte order."""
+        H, M = self.H, self.M
+        vs, lf, jv, a2s, gv = self._byte_static(a)
+        if not len(vs):
+            return
+        ok = H.sigma_la[sig, lf]
+        if k == H.START:
+            ok &= ((H.start_row[vs >> 5] >> (vs & 31)) & 1) == 1
+        else:
+            ok &= ((H.bt[vs >> 5, k] >> (vs & 31)) & 1) == 0
+        # regex move (TokenDFA.next_state, vectorized)
+        e0, e1 = int(M.edge_ptr[s]), int(M.edge_ptr[s + 1])
+        eg = M.edge_group[e0:e1]
+        pos = np.searchsorted(eg, gv)
+        inb = (pos < len(eg)) & (gv >= 0)
+        hit = np.zeros(len(vs), dtype=bool)
+        hit[inb] = eg[pos[inb]] == gv[inb]
+        ok &= hit
+        for i in np.flatnonzero(ok).tolist():
+            v = int(vs[i])
+            t = int(M.edge_next[e0 + int(pos[i])])
+            cv = H.next_cls(k, v)
+            nsig = int(H.la_sets_idx[k, jv[i]]) if jv[i] >= 0 else 0
+            a2 = int(a2s[i])
+            yield v, (self.inner_good(t, cv, nsig, a2) if a2 >= 0 else self.succ_good(t, cv, nsig))
+
+    def _inner_any(self, s: int, k: int, sig: int, a: int) -> bool:
+        """``any(good for _, good in byte_moves(s, k, sig, a))``, vectorized: the moves that end the
+        character are checked at once (:meth:`succ_good_many`), then the others recursively."""
+        H, M = self.H, self.M
+        vs, lf, jv, a2s, gv = self._byte_static(a)
+        if not len(vs):
+            return False
+        ok = H.sigma_la[sig, lf]
+        if k == H.START:
+            ok &= ((H.start_row[vs >> 5] >> (vs & 31)) & 1) == 1
+        else:
+            ok &= ((H.bt[vs >> 5, k] >> (vs & 31)) & 1) == 0
+        e0, e1 = int(M.edge_ptr[s]), int(M.edge_ptr[s + 1])
+        eg = M.edge_group[e0:e1]
+        pos = np.searchsorted(eg, gv)
+        inb = (pos < len(eg)) & (gv >= 0)
+        hit = np.zeros(len(vs), dtype=bool)
+        hit[inb] = eg[pos[inb]] == gv[inb]
+        idx = np.flatnonzero(ok & hit)
+        if not len(idx):
+            return False
+        v = vs[idx]
+        t = np.asarray(M.edge_next[e0 + pos[idx]], dtype=np.int64)
+        cv = H.tclass[v].astype(np.int64)
+        cj = H.ctx_j[v]
+        c = cj >= 0
+        if c.any():
+            cv[c] = H.ctx_classes[cj[c], H.class_group[k]]
+        jj = jv[idx]
+        ns = np.zeros(len(idx), dtype=np.int64)
+        w = jj >= 0
+        if w.any():
+            ns[w] = H.la_sets_idx[k, jj[w]]
+        a2 = a2s[idx]
+        leaf = a2 < 0
+        if leaf.any() and self.succ_good_many(t[leaf], cv[leaf], ns[leaf]).any():
+            return True
+        for i in np.flatnonzero(~leaf).tolist():
+            if self.inner_good(int(t[i]), int(cv[i]), int(ns[i]), int(a2[i])):
+                return True
+        return False
+
+    def _byte_static(self, a: int):
+        """Per acceptor state ``a``: the byte-fallback tokens with a move (byte order), valid and with a
+        first lookahead class: arrays (token, lookahead class, whitespace-final index, next acceptor
+        state, token group). Memoized."""
+        got = self._bstatic.get(a)
+        if got is None:
+            H = self.H
+            arow = H.acc[a]
+            bs = np.flatnonzero((arow != -1) & (H.bf_tok >= 0))
+            vs = H.bf_tok[bs].astype(np.int64)
+            lf = H.la_first[vs]
+            keep = (H.tclass[vs] >= 0) & (lf >= 0)
+            bs, vs, lf = bs[keep], vs[keep], lf[keep]
+            got = self._bstatic[a] = (vs, lf, H.j_of[vs], arow[bs].astype(np.int64),
+                                      np.asarray(self.M.token_group)[vs].astype(np.int64))
+        return got
+
+    def byte_moves_reference(self, s: int, k: int, sig: int, a: int):
+        """Reference (scalar) :meth:`byte_moves`, for tests."""
         H = self.H
         arow = H.acc[a]
         for b in np.flatnonzero((arow != -1) & (H.bf_tok >= 0)).tolist():
@@ -558,7 +719,10 @@ class _Analysis:
         got = self._inner_memo.get(key)
         if got is not None:
             return got
-        res = any(ok for _, ok in self.byte_moves(s, k, sig, a))
+        if self.use_kernels:
+            res = self._inner_any(s, k, sig, a)
+        else:
+            res = any(ok for _, ok in self.byte_moves_reference(s, k, sig, a))
         if len(self._inner_memo) > 200_000:
             self._inner_memo.clear()
         self._inner_memo[key] = res
@@ -677,9 +841,24 @@ class _Analysis:
         j = int(H.j_of[v])
         a2 = int(self.bf_start[v])
         out = np.zeros(len(k_arr), dtype=bool)
-        for i in np.flatnonzero(allowed).tolist():
-            nsig = int(H.la_sets_idx[int(k_arr[i]), j]) if j >= 0 else 0
-            out[i] = self.inner_good(t, int(cv_arr[i]), nsig, a2)
+        if not self.use_kernels:  # reference: one inner_good call per class
+            for i in np.flatnonzero(allowed).tolist():
+                nsig = int(H.la_sets_idx[int(k_arr[i]), j]) if j >= 0 else 0
+                out[i] = self.inner_good(t, int(cv_arr[i]), nsig, a2)
+            return out
+        idx = np.flatnonzero(allowed)
+        if not len(idx):
+            return out
+        # the verdict depends on the class only through (class reached, lookahead-set index): one
+        # inner_good call per distinct pair
+        cvs = np.asarray(cv_arr, dtype=np.int64)[idx]
+        ns = H.la_sets_idx[np.asarray(k_arr, dtype=np.int64)[idx], j] if j >= 0 else np.zeros(len(idx), np.int64)
+        key = cvs * (self.nsig + 2) + (ns + 1)
+        uk, inv = np.unique(key, return_inverse=True)
+        first = np.zeros(len(uk), dtype=np.int64)
+        first[np.asarray(inv).reshape(-1)[::-1]] = np.arange(len(idx) - 1, -1, -1)
+        verdict = np.array([self.inner_good(t, int(cvs[f]), int(ns[f]), a2) for f in first.tolist()], dtype=bool)
+        out[idx] = verdict[np.asarray(inv).reshape(-1)]
         return out
 
     # --- one state -------------------------------------------------------------------------------------
@@ -748,7 +927,7 @@ class _Analysis:
                                 break
                     if cand.any() and n_bits > 16:
                         idx = np.flatnonzero(cand)
-                        cand[idx[H.allows_some(Y, idx)]] = False
+                        cand[idx[self._allows_some(Y, idx)]] = False
                 idx = np.flatnonzero(cand)
                 if len(idx):
                     if specials is None:
@@ -782,6 +961,7 @@ class _Analysis:
                     grown[: self._tab.shape[0]] = self._tab
                     self._tab = grown
                 self._tab[tag] = table[0]
+                self._tag_full[tag] = table
             self.tag[s] = tag
         return True
 

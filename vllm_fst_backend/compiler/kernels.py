@@ -36,7 +36,7 @@ import numpy as np
 
 __all__ = [
     "class_trie", "walk_sources", "unique_states", "bucket_by_level", "group_hash_sums", "merge_dedup", "finish",
-    "canon_row", "canon_step", "warm_up",
+    "canon_row", "canon_step", "allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -717,6 +717,71 @@ def canon_step(out_i32, row_i32, state, token, spec, key_lo, key_hi, key_of_s, t
 # --------------------------------------------------------------------------------------------------
 
 _WARM = False
+@_jit
+def allows_some(bt, row, words, k_arr, out):
+    """Dead-end analysis (:meth:`.canonical_product.CanonHelper.allows_some`): set ``out[i]`` when class
+    ``k_arr[i]`` bans not every token of the bit row ``row`` (``int32[W]``), i.e. some word ``w`` of
+    ``words`` (the nonzero words of ``row``) has ``~bt[w, k_arr[i]] & row[w] != 0``. ``bt``: the
+    word-major banned bits ``int32[W, C]``. Words outer, still-undecided classes inner (compacted as they
+    clear), so each pass reads one row of ``bt``; stops once every class is cleared."""
+    n = k_arr.shape[0]
+    rem = np.empty(n, np.int64)
+    for i in range(n):
+        rem[i] = i
+    nrem = n
+    for wi in range(words.shape[0]):
+        w = words[wi]
+        rw = row[w]
+        j = 0
+        for r in range(nrem):
+            i = rem[r]
+            if ((~bt[w, k_arr[i]]) & rw) != 0:
+                out[i] = True
+            else:
+                rem[j] = i
+                j += 1
+        nrem = j
+        if nrem == 0:
+            break
+
+
+@_jit
+def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, tab_of, vt, jw, kk, out):
+    """Dead-end analysis, the per-pair path of special tokens (:meth:`.canonical_product._Analysis.
+    _pairs_clear`): for each class ``kk[i]`` with ``out[i]`` unset, set it when some token ``vt[r]`` is
+    not banned after the class (``bt``: word-major banned bits ``int32[W, C]``) and its successor is
+    good: lookahead-set index ``la_sets_idx[k, jw[r]]`` for whitespace-final tokens (``jw[r] >= 0``;
+    -1 = empty set: never good) else 0 (ALL); class reached ``tclass[v]``, or
+    ``ctx_classes[ctx_j[v], class_group[k]]`` for context-dependent tokens (negative indices wrap like
+    numpy's); good unless ``tabs[tab_of[r], σ, class]`` (``tab_of[r] < 0``: the target's table is all
+    good). Tokens in the given order (likely witnesses first), stopping at the first good one."""
+    C = bt.shape[1]
+    for i in range(kk.shape[0]):
+        if out[i]:
+            continue
+        k = kk[i]
+        g = class_group[k]
+        for r in range(vt.shape[0]):
+            v = vt[r]
+            if (bt[v >> 5, k] >> (v & 31)) & 1:
+                continue
+            ns = 0
+            if jw[r] >= 0:
+                ns = la_sets_idx[k, jw[r]]
+                if ns < 0:
+                    continue
+            ti = tab_of[r]
+            if ti >= 0:
+                j2 = ctx_j[v]
+                cv = np.int64(tclass[v]) if j2 < 0 else np.int64(ctx_classes[j2, g])
+                if cv < 0:
+                    cv += C
+                if tabs[ti, ns, cv]:
+                    continue
+            out[i] = True
+            break
+
+
 _WARM_LOCK = threading.Lock()
 
 
@@ -739,6 +804,10 @@ def warm_up() -> None:
         merge_dedup(i64, i64, i64, 1, 1, np.full(1, 2, np.int64))
         merge_dedup(i64, i64, i64, 1 << 13, 1 << 12, np.full(1 << 13, 2, np.int64))
         finish(i64, i64, i64, np.ones(1, bool), 1)
+        allows_some(np.zeros((1, 1), np.int32), i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
+        pairs_clear(np.zeros((1, 1), np.int32), i32[:1], i64[:1], np.zeros((1, 1), np.int64), i64[:1],
+                    np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.bool_), i64[:1], i64[:1], i64[:1], i64[:1],
+                    np.zeros(1, np.bool_))
         u = np.zeros(1, np.uint32)
         u2 = np.zeros((1, 1), np.uint32)
         b1 = np.ones(1, np.bool_)
