@@ -942,10 +942,8 @@ def test_schema_input_limits_checked_first():
 
 
 @pytest.mark.slow
-def test_converted_regexes_compile_within_budget():
-    art_dir = ROOT / "tokenizer_artifacts" / "SmolLM2-135M-Instruct"
-    if not (art_dir / "manifest.json").is_file():
-        pytest.skip("SmolLM2 artifacts not built")
+def test_converted_regexes_compile_within_budget(built_artifacts):
+    art_dir = built_artifacts("smollm2", canonical=True)  # built once per test run (conftest)
     from vllm_fst_backend.artifacts.store import load_artifacts
     from vllm_fst_backend.compiler import CompileOptions, compile_regex, prepare
 

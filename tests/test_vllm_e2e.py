@@ -476,7 +476,7 @@ BAD = [
     ({"structured_outputs": {"structural_tag": json.dumps(STRUCTURAL_TAG)}, "vllm_xargs": {"fst_scripts": "latin"}},
      "fst_scripts"),
     ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}, "fst"),
-    ({"structured_outputs": {"json": {"type": "object", "minimum": "abc"}}}, "minimum"),
+    ({"structured_outputs": {"json": {"type": "integer", "minimum": "abc"}}}, "minimum"),
 ]
 
 

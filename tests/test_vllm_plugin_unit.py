@@ -291,7 +291,7 @@ def test_json_schema_regex():
     assert re.fullmatch(constraints.constraint_to_regex("JSON_OBJECT", None), '{"k": [1, 2]}')
     with pytest.raises(constraints.InvalidConstraintError, match="not valid JSON"):
         constraints.json_schema_to_regex("{bad")
-    with pytest.raises(InvalidSchemaError, match="unknown type 'strin'"):
+    with pytest.raises(InvalidSchemaError, match="'strin'"):
         constraints.json_schema_to_regex('{"type": "strin"}')
 
 

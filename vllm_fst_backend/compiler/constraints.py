@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Iterable
 
-from ..errors import InvalidConstraintError
+from ..errors import InvalidConstraintError, InvalidSchemaError
 from .limits import InputLimits, check_choices, check_regex, check_schema_obj, check_schema_text
 from .regex_parse import escape_literal
 
@@ -106,6 +106,26 @@ class _RegexLRU:
 _SCHEMA_REGEXES = _RegexLRU()
 
 
+def _check_metaschema(schema: Any) -> None:
+    """Validate the schema itself against the draft 2020-12 metaschema (``jsonschema``), so that a
+    malformed keyword is refused even where the converter would not read it (``"minimum": "abc"`` on an
+    object).
+
+    Raises:
+        InvalidSchemaError: the schema is not a valid JSON Schema (message: what and where).
+    """
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        where = "/" + "/".join(str(p) for p in e.path) if e.path else "the schema root"
+        raise InvalidSchemaError(f"invalid JSON schema: {e.message} (at {where})") from None
+    except RecursionError:
+        raise InvalidSchemaError("invalid JSON schema: nested too deeply to check") from None
+
+
 def json_schema_to_regex(schema: str | dict | bool, whitespace_pattern: str | None = None, *,
                          limits: InputLimits | None = None, deadline: float | None = None) -> str:
     """JSON schema (text or parsed) → regex, keys in the schema's order, every keyword enforced
@@ -137,6 +157,7 @@ def json_schema_to_regex(schema: str | dict | bool, whitespace_pattern: str | No
     key = (text, whitespace_pattern, limits)
     got = _SCHEMA_REGEXES.get(key)
     if got is None:
+        _check_metaschema(parsed)
         got = convert(parsed, whitespace_pattern, limits=limits, deadline=deadline)
         _SCHEMA_REGEXES.put(key, got)
     return got

@@ -447,6 +447,8 @@ class ServiceChecker:
                                  budget_s=compile_budget_s("validate") if budget_s is None else budget_s)
         if not res.cache_hit:
             metric_inc("compile_seconds", res.ms / 1e3)
+            logger.info("fst: validated %s constraint: compiled in %.1f ms (compile process; %.1f ms with the wait)",
+                        kind.lower(), res.ms, res.wait_ms)
         return res.regex
 
     async def acheck(self, kind: str, spec: Any, **kw: Any) -> str:
