@@ -4,9 +4,9 @@
   often on the API server's event loop): cheap checks only (``fst_*`` options, input size limits,
   constraint kind), routes the request to fst or to the fallback (``fallback.py``).
 * :func:`aprecheck` -- awaited by the chat/completion handlers before a request enters the engine: the
-  compile check (JSON schema conversion + compile) in the isolated compile process, so that a budget
-  or empty-language error is an HTTP 400 with the reason, and an unsupported schema is routed to the
-  fallback. Its verdicts are remembered (:data:`PRECHECKS`) for the sync hook.
+  compile check (JSON schema conversion + compile) in the isolated compile process, so that a bad
+  constraint or an empty language is an HTTP 400 with the reason, and an unsupported schema or a
+  constraint over fst's budget is routed to the fallback (a 400 with ``VLLM_FST_FALLBACK=none``). Its verdicts are remembered (:data:`PRECHECKS`) for the sync hook.
 
 Errors: ``VLLMValidationError`` (HTTP 400) or :func:`server_error` (a 500 that keeps its message).
 """
@@ -92,8 +92,9 @@ def validation_error(message: str, parameter: str | None = None) -> Exception:
 
 class PrecheckResults:
     """Bounded LRU of precheck verdicts: key = SHA-256 of (kind, spec text, whitespace pattern,
-    options) (32 bytes), value = ``None`` (fst serves it) or the ``UnsupportedSchemaError`` that routes
-    it to the fallback. At most ``max_entries`` entries (thread-safe)."""
+    options) (32 bytes), value = ``None`` (fst serves it) or the ``UnsupportedSchemaError`` /
+    ``CompileBudgetError`` that routes it to the fallback (a budget verdict is re-checked by the next
+    precheck of the same constraint). At most ``max_entries`` entries (thread-safe)."""
 
     def __init__(self, max_entries: int = 4096):
         self.max_entries = max_entries
