@@ -109,18 +109,7 @@ class FstMatcher:
                 break
             new_states.append(nxt)
             state = nxt
-        if not new_states:
-            return True
-        hist = self._history
-        prev = self._state
-        for s in new_states:
-            hist.append(prev)
-            prev = s
-        self.num_processed_tokens += len(new_states)
-        if state != self._state:
-            self._state = state
-            self._set_row()
-        self._terminated = terminated
+        self._commit(new_states, state, terminated)
         return True
 
     def _accept_factored(self, fc, tokens) -> bool:
@@ -144,8 +133,14 @@ class FstMatcher:
                 return False
             new_states.append(nxt)
             state = nxt
+        self._commit(new_states, state, terminated, row)
+        return True
+
+    def _commit(self, new_states: list, state: int, terminated: bool, row=None) -> None:
+        """Record an accepted run of tokens: history (one entry per token), the new state and its row
+        (``row``: already computed by the factored path; else :meth:`_set_row`)."""
         if not new_states:
-            return True
+            return
         hist = self._history
         prev = self._state
         for s in new_states:
@@ -154,10 +149,12 @@ class FstMatcher:
         self.num_processed_tokens += len(new_states)
         if state != self._state:
             self._state = state
-            self._row = row
-            self._row_t = None
+            if row is None:
+                self._set_row()
+            else:
+                self._row = row
+                self._row_t = None
         self._terminated = terminated
-        return True
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         """Longest prefix of ``tokens`` that would be accepted (EOS included if accepted); no state change."""
