@@ -348,8 +348,13 @@ def vllm_server(
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), HF_HUB_OFFLINE="1")
     if backend.startswith("fst") and artifacts is not None:
         env["VLLM_FST_ARTIFACTS_DIR"] = str(artifacts)
-    with running_server(cmd, port, env, log_path, timeout, cwd=REPO_ROOT, name=backend) as got:
-        yield got
+    with contextlib.ExitStack() as stack:
+        if backend.startswith("fst"):
+            # a fresh host-shared compile cache per server: every constraint is compiled in the run,
+            # none is left over from an earlier run of the same (fixed-seed) workload
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            env["VLLM_FST_DISK_CACHE_DIR"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="fst_bench_cache-", dir=shm))
+        yield stack.enter_context(running_server(cmd, port, env, log_path, timeout, cwd=REPO_ROOT, name=backend))
 
 
 def scrape_metrics(base: str) -> dict[str, float]:
