@@ -10,6 +10,7 @@ process (``compiler/service.py``), on the real SmolLM2 tokenizer with canonical 
 
 from __future__ import annotations
 
+import json
 import numpy as np
 import pytest
 
@@ -169,3 +170,79 @@ def test_service_memory_and_time_budgets_stop_the_process(smol):
         svc.close()
     finally:
         mp.undo()
+
+
+def test_cost_hint_counts_bounded_repetitions():
+    from vllm_fst_backend.compiler.service import LIGHT_COST, cost_hint
+
+    assert cost_hint("REGEX", "(yes|no)") == len("(yes|no)")
+    assert cost_hint("REGEX", r'"[^"]{0,48}"') == len(r'"[^"]{0,48}"') + 20 * 48
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 40}}}
+    assert cost_hint("JSON", schema) == len(json.dumps(schema)) + 20 * 40
+    assert cost_hint("CHOICE", ["x", "y"]) <= LIGHT_COST < cost_hint("REGEX", r"[a-z]{1,100}")
+
+
+class _FakeWorker:
+    def alive(self):
+        return True
+
+    def kill(self):
+        pass
+
+
+def _pool(workers):
+    from vllm_fst_backend.compiler.service import CompileService
+
+    svc = CompileService("unused", None, workers=workers, light_cost=100)
+    svc._spawn = _FakeWorker  # scheduling only: no child processes
+    return svc
+
+
+def _acquire_in_thread(svc, cost, got):
+    import threading
+
+    def run():
+        w = svc._acquire(cost)
+        got.append((cost, w))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_for(cond, timeout=10.0):
+    import time as _t
+
+    end = _t.monotonic() + timeout
+    while not cond():
+        assert _t.monotonic() < end, "timed out"
+        _t.sleep(0.005)
+
+
+def test_service_schedules_light_constraints_past_heavy_ones():
+    svc = _pool(workers=2)  # heavy constraints may hold one process at a time
+    heavy1 = svc._acquire(5000)
+    got: list = []
+    _acquire_in_thread(svc, 6000, got)  # second heavy one: waits though a process is free
+    _wait_for(lambda: len(svc._waiting) == 1)
+    assert got == []
+    _acquire_in_thread(svc, 10, got)  # a light one takes the free process at once
+    _wait_for(lambda: len(got) == 1)
+    assert got[0][0] == 10
+    svc._release(heavy1, 5000)  # the heavy one goes next
+    _wait_for(lambda: len(got) == 2)
+    assert got[1][0] == 6000 and svc._n_heavy == 1
+
+
+def test_service_serves_waiting_requests_shortest_first():
+    svc = _pool(workers=1)
+    first = svc._acquire(50)
+    got: list = []
+    for cost in (90, 70, 20):
+        _acquire_in_thread(svc, cost, got)
+        _wait_for(lambda c=cost: any(e[0] == c for e in svc._waiting))
+    svc._release(first, 50)
+    for n in (1, 2, 3):
+        _wait_for(lambda n=n: len(got) == n)
+        svc._release(got[-1][1], got[-1][0])
+    assert [c for c, _ in got] == [20, 70, 90]

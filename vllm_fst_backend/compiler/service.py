@@ -17,7 +17,10 @@ requests one at a time each:
   :class:`~vllm_fst_backend.errors.CompileMemoryError` naming the budget and ``VLLM_FST_COMPILE_MEMORY_MB``;
 * a killed or crashed child is replaced by a fresh one (the next request waits for its start-up);
 * the automaton is written to the host-shared :class:`~.persist.DiskCache`, where the engine core and
-  the workers load it instead of compiling again.
+  the workers load it instead of compiling again;
+* scheduling: waiting requests get a free process shortest-estimated-first (:func:`cost_hint`: text
+  length plus bounded repetitions), and constraints estimated heavy may hold at most ``workers - 1``
+  processes at once, so a short constraint never waits behind long compiles only.
 
 Wire format (both directions): 8-byte little-endian length + pickle. Request: dict with ``kind``,
 ``spec``, ``whitespace_pattern``, ``options`` (:class:`~.options.CompileOptions`), ``budget_s``.
@@ -26,8 +29,12 @@ Reply: ``("ok", regex, compile_ms, cache_hit)`` or ``("err", class name, message
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import json
 import os
 import pickle
+import re
 import select
 import struct
 import subprocess
@@ -40,11 +47,33 @@ from typing import Any
 from .. import errors as _errors
 from ..errors import CompileBudgetError, CompileMemoryError, CompileServiceError
 
-__all__ = ["CompileService", "memory_budget_from_env", "CheckResult"]
+__all__ = ["CompileService", "memory_budget_from_env", "CheckResult", "cost_hint", "LIGHT_COST"]
 
 _LEN = struct.Struct("<Q")
 _POLL_S = 0.02
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+_QUANT = re.compile(r"\{(\d{1,9})(?:,(\d{0,9}))?\}")
+_JSON_BOUND = re.compile(r'"(?:maxLength|maxItems|maxProperties|maxContains)"\s*:\s*(\d{1,9})')
+LIGHT_COST = 800  # cost_hint at or below which a constraint is "light" (compiles in ~<100 ms at SmolLM2)
+
+
+def cost_hint(kind: str, spec: Any) -> int:
+    """A cheap estimate of a constraint's compile cost (no parsing; O(len(text))): the length of its
+    text (regex, choice list or schema as JSON) plus 20 per unit of bounded repetition (regex
+    ``{m,n}``: n; schema ``maxLength``/``maxItems``/...: the bound; each capped at 10,000). Bounded
+    repetitions unroll into one automaton state per unit, which dominates compile time (a schema with
+    four ``maxLength`` strings: 2,766 states). Only orders the waiting requests; never rejects."""
+    try:
+        text = spec if isinstance(spec, str) else json.dumps(spec, default=str)
+    except (TypeError, ValueError):
+        text = str(spec)
+    if kind == "REGEX":
+        bound = sum(min(int(hi or lo), 10_000) for lo, hi in _QUANT.findall(text))
+    else:
+        bound = sum(min(int(x), 10_000) for x in _JSON_BOUND.findall(text))
+    return len(text) + 20 * bound
 
 
 def memory_budget_from_env() -> int:
@@ -192,23 +221,30 @@ class CompileService:
     Args:
         artifacts_dir: the tokenizer artifacts (must exist: the caller builds missing ones first).
         tokenizer_path: the tokenizer (fingerprint check), or None.
-        workers: number of child processes (``$VLLM_FST_CHECK_WORKERS``, default 2).
+        workers: number of child processes (``$VLLM_FST_CHECK_WORKERS``, default 3).
         memory_budget_bytes: per-constraint memory budget (default :func:`memory_budget_from_env`).
         deadline_margin_s: extra wait past a request's time budget before its process is killed.
         start_timeout_s: time allowed for a child to load artifacts and prepare (Tekken: ~15 s).
+        light_cost: :func:`cost_hint` at or below which a constraint is light; heavier ones hold at most
+            ``workers - 1`` processes at once (module docstring, scheduling).
     """
 
-    def __init__(self, artifacts_dir: str | os.PathLike, tokenizer_path: str | None = None, *, workers: int = 2,
+    def __init__(self, artifacts_dir: str | os.PathLike, tokenizer_path: str | None = None, *, workers: int = 3,
                  memory_budget_bytes: int | None = None, deadline_margin_s: float = 2.0,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, light_cost: int = LIGHT_COST):
         self.artifacts_dir = str(artifacts_dir)
         self.tokenizer_path = tokenizer_path
         self.n_workers = max(1, int(workers))
         self.memory_budget = memory_budget_bytes if memory_budget_bytes is not None else memory_budget_from_env()
         self.deadline_margin_s = deadline_margin_s
         self.start_timeout_s = start_timeout_s
+        self.light_cost = int(light_cost)
+        self.heavy_cap = max(1, self.n_workers - 1)  # processes heavy constraints may hold at once
         self._idle: deque[_Worker] = deque()
         self._n_live = 0
+        self._n_heavy = 0
+        self._waiting: list[tuple[int, int]] = []  # heap of (cost, ticket) of the requests waiting
+        self._tickets = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
         self.restarts = 0
@@ -228,34 +264,58 @@ class CompileService:
                 self._idle.append(self._spawn())
                 self._n_live += 1
 
-    def _acquire(self) -> _Worker:
+    def _eligible(self, cost: int) -> bool:
+        return cost <= self.light_cost or self._n_heavy < self.heavy_cap
+
+    def _my_turn(self, entry: tuple[int, int]) -> bool:
+        """Whether ``entry`` is the first waiting request (in (cost, arrival) order) that may take a
+        process now. Caller holds the lock."""
+        if not (self._idle or self._n_live < self.n_workers):
+            return False
+        for e in sorted(self._waiting):
+            if self._eligible(e[0]):
+                return e == entry
+        return False
+
+    def _acquire(self, cost: int = 0) -> _Worker:
+        heavy = cost > self.light_cost
         with self._cond:
             if self._closed:
                 raise CompileServiceError("compile service is closed")
-            while True:
-                if self._idle:
-                    return self._idle.popleft()
-                if self._n_live < self.n_workers:
-                    self._n_live += 1
-                    break
-                self._cond.wait()
+            entry = (int(cost), next(self._tickets))
+            heapq.heappush(self._waiting, entry)
+            try:
+                while not self._my_turn(entry):
+                    self._cond.wait()
+                    if self._closed:
+                        raise CompileServiceError("compile service is closed")
+            finally:
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
+                self._cond.notify_all()
+            self._n_heavy += heavy
+            if self._idle:
+                return self._idle.popleft()
+            self._n_live += 1
         try:
             return self._spawn()
         except Exception as e:
             with self._cond:
                 self._n_live -= 1
-                self._cond.notify()
+                self._n_heavy -= heavy
+                self._cond.notify_all()
             raise CompileServiceError(f"cannot start the compile process: {e}") from None
 
-    def _release(self, w: _Worker | None) -> None:
+    def _release(self, w: _Worker | None, cost: int = 0) -> None:
         with self._cond:
+            self._n_heavy -= cost > self.light_cost
             if w is not None and w.alive() and not self._closed:
                 self._idle.append(w)
             else:
                 self._n_live -= 1
                 if w is not None:
                     w.kill()
-            self._cond.notify()
+            self._cond.notify_all()
 
     def check(self, kind: str, spec: Any, *, whitespace_pattern: str | None = None, options: Any = None,
               budget_s: float = 4.0) -> CheckResult:
@@ -279,7 +339,8 @@ class CompileService:
         from .options import CompileOptions
 
         t0 = time.monotonic()
-        w = self._acquire()
+        cost = cost_hint(kind, spec)
+        w = self._acquire(cost)
         req = dict(kind=kind, spec=spec, whitespace_pattern=whitespace_pattern,
                    options=options if options is not None else CompileOptions(), budget_s=float(budget_s))
         try:
@@ -300,12 +361,12 @@ class CompileService:
                     f"compiling the constraint exceeded the memory budget of {self.memory_budget >> 20} MB "
                     "(VLLM_FST_COMPILE_MEMORY_MB); the compile process was stopped", None) from None
         except BaseException:
-            self._release(None if not w.alive() else w)
+            self._release(None if not w.alive() else w, cost)
             raise
         # a child that kept memory from this request beyond the budget is replaced
         if _rss_bytes(w.proc.pid) > w.baseline + self.memory_budget:
             w.kill()
-        self._release(w)
+        self._release(w, cost)
         if reply[0] == "ok":
             _, regex, ms, hit = reply
             return CheckResult(regex, ms, hit, (time.monotonic() - t0) * 1e3)

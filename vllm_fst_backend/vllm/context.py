@@ -424,7 +424,7 @@ class ServiceChecker:
         tok = local_tokenizer_path(model_config)
         directory = resolve_artifacts_dir(tok)
         load_or_build_artifacts(tok, directory)  # builds missing artifacts once (file lock)
-        workers = _positive_int_env("VLLM_FST_CHECK_WORKERS", 2)
+        workers = _positive_int_env("VLLM_FST_CHECK_WORKERS", 3)
         self.service = CompileService(directory, tok, workers=workers)
         self.service.start()
         threading.Thread(target=self._warm, name="fst-warm", daemon=True).start()
