@@ -436,6 +436,8 @@ class _Analysis:
         self._row_cache: dict = {}
         self._btok: dict = {}
         self._grows: dict = {}
+        self._gmat = None  # int32[G, W] group rows (regular tokens), filled on first use
+        self._gbuilt = None
         self._tok_cache: dict = {}
         self.g_size = np.diff(self.g_ptr)
         self._tgt_buf = np.full(G + 1, -1, dtype=np.int64)
@@ -455,6 +457,7 @@ class _Analysis:
         state = self.__dict__.copy()
         for name in self._MEMOS:
             state[name] = {}
+        state["_gmat"] = state["_gbuilt"] = None
         state["_tag_full"] = {tag: (tab.shape, np.packbits(tab, axis=None)) for tag, tab in self._tag_full.items()}
         state["bad"] = state["_tab"] = state["_tags"] = None
         return state
@@ -812,9 +815,32 @@ class _Analysis:
             r = self._grows[g] = _pack_ids(tk[self.regular[tk]], self.H.W)
         return r
 
+    _GROUP_MATRIX_WORDS = 1 << 23  # group rows kept as one int32[G, W] matrix up to 32 MB
+
+    def _or_group_rows(self, gs: np.ndarray) -> np.ndarray:
+        """``int32[W]``: union of the regular-token rows of the groups ``gs``. With a group-row matrix
+        (``G * W`` within :attr:`_GROUP_MATRIX_WORDS`; rows filled on first use) one gather and one OR
+        reduction; otherwise group by group."""
+        W = self.H.W
+        if self.G * W > self._GROUP_MATRIX_WORDS:
+            row = np.zeros(W, dtype=np.int32)
+            for g in gs.tolist():
+                row |= self._group_row(g)
+            return row
+        if self._gmat is None:
+            self._gmat = np.zeros((self.G, W), dtype=np.int32)
+            self._gbuilt = np.zeros(self.G, dtype=bool)
+        missing = gs[~self._gbuilt[gs]]
+        for g in missing.tolist():
+            self._gmat[g] = self._group_row(g)
+        self._gbuilt[missing] = True
+        return np.bitwise_or.reduce(self._gmat[gs], axis=0)
+
     def regular_row_packed(self, s: int) -> np.ndarray:
         """``int32[W]``: :meth:`regular_row_mask` (no lookahead restriction) packed, memoized. Built from
-        per-group rows of regular tokens, minus (per successor tag) the tokens whose class is bad there."""
+        per-group rows of regular tokens, minus (per successor tag) the tokens whose class is bad there:
+        ``OR_g row[g] & ~bad[tag_g]`` computed as one OR per distinct tag (``(a & ~b) | (c & ~b) =
+        (a | c) & ~b``)."""
         gs, ts = self._edges(s)
         key = (gs.tobytes(), self.tag[ts].tobytes())
         row = self._row_cache.get(key)
@@ -826,9 +852,12 @@ class _Analysis:
                     row = _pack_ids(toks, self.H.W)
             elif len(gs):
                 tags = self.tag[ts]
-                for g, tg in zip(gs.tolist(), tags.tolist()):
-                    gr = self._group_row(g)
-                    row |= (gr & ~self._bad_tok_row(tg)) if tg else gr
+                untagged = tags == 0
+                if untagged.any():
+                    row |= self._or_group_rows(gs[untagged])
+                if not untagged.all():
+                    for tg in np.unique(tags[~untagged]).tolist():
+                        row |= self._or_group_rows(gs[tags == tg]) & ~self._bad_tok_row(tg)
             if len(self._row_cache) > 4096:
                 self._row_cache.clear()
             self._row_cache[key] = row

@@ -29,7 +29,6 @@ Reply: ``("ok", regex, compile_ms, cache_hit)`` or ``("err", class name, message
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import json
 import os
@@ -243,7 +242,7 @@ class CompileService:
         self._idle: deque[_Worker] = deque()
         self._n_live = 0
         self._n_heavy = 0
-        self._waiting: list[tuple[int, int]] = []  # heap of (cost, ticket) of the requests waiting
+        self._waiting: list[tuple[int, int]] = []  # (cost, ticket) of the requests waiting for a process
         self._tickets = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -283,7 +282,7 @@ class CompileService:
             if self._closed:
                 raise CompileServiceError("compile service is closed")
             entry = (int(cost), next(self._tickets))
-            heapq.heappush(self._waiting, entry)
+            self._waiting.append(entry)
             try:
                 while not self._my_turn(entry):
                     self._cond.wait()
@@ -291,7 +290,6 @@ class CompileService:
                         raise CompileServiceError("compile service is closed")
             finally:
                 self._waiting.remove(entry)
-                heapq.heapify(self._waiting)
                 self._cond.notify_all()
             self._n_heavy += heavy
             if self._idle:
