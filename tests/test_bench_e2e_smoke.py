@@ -293,3 +293,15 @@ def test_serving_report_and_section(tmp_path):
     assert "outlines: server did not start" in section
     assert "![serving workload](bench_serving.png)" in section
     assert (tmp_path / "bench_serving.png").stat().st_size > 1000
+
+
+def test_serving_repeated_rows_are_shown_but_not_targeted(tmp_path):
+    b = _bench()
+    _, rows = _rows(b)
+    again = [dict(r, repeat=True, ttft_p50_ms=1.0) for r in rows]  # the same size, constraints seen before
+    table = b.render_serving_table(rows + again)
+    assert "| fst | 4 × 2, repeated |" in table and "| fst | 4 × 2 |" in table
+    tgt = b.serving_targets(rows + again)
+    assert tgt == b.serving_targets(rows)  # targets: rows with new constraints only
+    assert b._size_key(again[0]) != b._size_key(rows[0])
+    assert b.make_serving_plot(rows + again, tmp_path / "p.png").stat().st_size > 1000
