@@ -1332,13 +1332,17 @@ def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict
     }
 
 
-def _row_label(r: dict) -> str:
-    return f"{r['requests']} × {r['concurrency']}" + (", repeated" if r.get("repeat") else "")
-
-
 def _size_key(r: dict) -> tuple:
     """Row size of a serving row: (requests, concurrency, constraints seen before)."""
     return (r["requests"], r["concurrency"], bool(r.get("repeat")))
+
+
+def _size_label(n: int, c: int, repeat: bool) -> str:
+    return f"{n} × {c}" + (", repeated" if repeat else "")
+
+
+def _row_label(r: dict) -> str:
+    return _size_label(*_size_key(r))
 
 
 def render_serving_table(rows: list[dict]) -> str:
@@ -1425,7 +1429,7 @@ def make_serving_plot(rows: list[dict], path: Path) -> Path | None:
         p50 = [(get.get((b, n, c, again)) or {}).get("ttft_p50_ms") or 0.0 for b in backends]
         p90 = [(get.get((b, n, c, again)) or {}).get("ttft_p90_ms") or 0.0 for b in backends]
         col = colors[si % len(colors)]
-        lab = f"{n} × {c}" + (", repeated" if again else "")
+        lab = _size_label(n, c, again)
         axes[0].bar(xs, p90, width, color=col, alpha=0.35, label=f"{lab}: p90")
         axes[0].bar(xs, p50, width, color=col, label=f"{lab}: p50")
         tps = [(get.get((b, n, c, again)) or {}).get("tok_s") or 0.0 for b in backends]
@@ -1545,20 +1549,20 @@ def serving_rows(backend: str, base: str, scfg: ServingConfig, tokenizer, stop_i
     """Every row size of the serving workload on one running server (distinct constraints across rows)."""
     cases = make_serving_cases(sum(n for n, _ in scfg.sizes))
     serving_warmup(base, backend)
-    rows, start = [], 0
+    runs, start = [], 0  # (cases, concurrency, constraints seen before)
     for n, conc in scfg.sizes:
-        part = cases[start : start + n]
+        runs.append((cases[start : start + n], conc, False))
         start += n
-        print(f"[bench_e2e] {backend}/serving: {n} requests, {conc} concurrent ...", flush=True)
-        results, wall, health = run_serving(base, backend, part, conc, scfg.max_tokens, scfg.temperature, scfg.json_via, scfg.timeout)
-        rows.append(summarize_serving(backend, part, results, wall, health, conc, tokenizer, stop_ids))
     if scfg.repeat and scfg.sizes:
         n, conc = scfg.sizes[0]
-        part = cases[:n]
-        print(f"[bench_e2e] {backend}/serving: {n} requests, {conc} concurrent, constraints seen before ...", flush=True)
+        runs.append((cases[:n], conc, True))
+    rows = []
+    for part, conc, again in runs:
+        print(f"[bench_e2e] {backend}/serving: {_size_label(len(part), conc, again)} ...", flush=True)
         results, wall, health = run_serving(base, backend, part, conc, scfg.max_tokens, scfg.temperature, scfg.json_via, scfg.timeout)
         row = summarize_serving(backend, part, results, wall, health, conc, tokenizer, stop_ids)
-        row["repeat"] = True
+        if again:
+            row["repeat"] = True
         rows.append(row)
     return rows
 

@@ -808,11 +808,16 @@ class _Analysis:
             self._tok_cache[key] = got
         return got
 
+    def _pack_group(self, g: int) -> np.ndarray:
+        """``int32[W]``: the regular tokens of group ``g``."""
+        tk = self.g_toks[self.g_ptr[g] : self.g_ptr[g + 1]]
+        return _pack_ids(tk[self.regular[tk]], self.H.W)
+
     def _group_row(self, g: int) -> np.ndarray:
+        """:meth:`_pack_group`, memoized per group (the path without a group-row matrix)."""
         r = self._grows.get(g)
         if r is None:
-            tk = self.g_toks[self.g_ptr[g] : self.g_ptr[g + 1]]
-            r = self._grows[g] = _pack_ids(tk[self.regular[tk]], self.H.W)
+            r = self._grows[g] = self._pack_group(g)
         return r
 
     _GROUP_MATRIX_WORDS = 1 << 23  # group rows kept as one int32[G, W] matrix up to 32 MB
@@ -832,7 +837,7 @@ class _Analysis:
             self._gbuilt = np.zeros(self.G, dtype=bool)
         missing = gs[~self._gbuilt[gs]]
         for g in missing.tolist():
-            self._gmat[g] = self._group_row(g)
+            self._gmat[g] = self._pack_group(g)
         self._gbuilt[missing] = True
         return np.bitwise_or.reduce(self._gmat[gs], axis=0)
 

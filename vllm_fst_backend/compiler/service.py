@@ -263,8 +263,11 @@ class CompileService:
                 self._idle.append(self._spawn())
                 self._n_live += 1
 
+    def _heavy(self, cost: int) -> bool:
+        return cost > self.light_cost
+
     def _eligible(self, cost: int) -> bool:
-        return cost <= self.light_cost or self._n_heavy < self.heavy_cap
+        return not self._heavy(cost) or self._n_heavy < self.heavy_cap
 
     def _my_turn(self, entry: tuple[int, int]) -> bool:
         """Whether ``entry`` is the first waiting request (in (cost, arrival) order) that may take a
@@ -277,7 +280,7 @@ class CompileService:
         return False
 
     def _acquire(self, cost: int = 0) -> _Worker:
-        heavy = cost > self.light_cost
+        heavy = self._heavy(cost)
         with self._cond:
             if self._closed:
                 raise CompileServiceError("compile service is closed")
@@ -306,7 +309,7 @@ class CompileService:
 
     def _release(self, w: _Worker | None, cost: int = 0) -> None:
         with self._cond:
-            self._n_heavy -= cost > self.light_cost
+            self._n_heavy -= self._heavy(cost)
             if w is not None and w.alive() and not self._closed:
                 self._idle.append(w)
             else:
