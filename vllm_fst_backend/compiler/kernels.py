@@ -7,15 +7,18 @@ does not JIT again) and run without the GIL, so a compile in one thread does not
 once per process, inside :func:`.compile.prepare`, i.e. outside any compile budget.
 
 Kernels cannot read the clock cheaply, so the long-running ones work in bounded chunks and return to
-Python, which checks the deadline between chunks (:func:`walk_sources`: at most ``max_visits`` class-trie
-arcs per call).
+Python, which checks the deadline between chunks (:func:`walk_hash`, :func:`walk_emit`: at most
+``max_visits`` class-trie arcs per call).
 
 Token DFA (:mod:`.token_dfa`, paper 001 Alg. 2 / 004 Eq. 3: byte DFA ∘ detokenizer, projected on tokens;
 each kernel reproduces one numpy step of the reference path exactly, see the function docstrings):
 
 * :func:`class_trie` -- the class trie (token-trie nodes merged by byte-class strings);
-* :func:`walk_sources` + :func:`bucket_by_level` -- the walk of the class trie from many byte states;
-* :func:`group_hash_sums` + :func:`merge_dedup` -- merging groups with identical behaviour;
+* :func:`walk_hash` -- pass 1 of the walk of the class trie from many byte states: the states reached
+  and, per group, hash sums of its (source, next state) pairs (merging groups with identical behaviour
+  without storing the pairs);
+* :func:`prune_trie` + :func:`walk_emit` -- pass 2: the walk restricted to one class node per merged
+  group, emitting the merged edges;
 * :func:`finish` -- trim (reachable and co-reachable) and BFS renumbering.
 
 Factored canonical product (:mod:`.canonical_product`, 004 Eq. 5 / §6.5):
@@ -35,7 +38,7 @@ import numba
 import numpy as np
 
 __all__ = [
-    "class_trie", "walk_sources", "unique_states", "bucket_by_level", "group_hash_sums", "merge_dedup", "finish",
+    "class_trie", "walk_hash", "prune_trie", "walk_emit", "unique_states", "finish",
     "canon_row", "canon_step", "allows_some", "pairs_clear", "warm_up",
 ]
 
@@ -146,15 +149,17 @@ def class_trie(node_parent, node_class, child_ptr, K):
 
 
 @_jit
-def walk_sources(child_ptr, byte_of_cnode, group_of_cnode, table, sources, start, max_visits, max_depth,
-                 per_source_max, o_l, o_s, o_g, o_q, n0):
-    """Depth-first walk of the class trie from ``sources[start:]`` (byte states at a token boundary).
+def walk_hash(child_ptr, byte_of_cnode, group_of_cnode, table, sources, start, max_visits, max_depth,
+              h_a, h_b, h_c, h_d, h_e, h_f, s1, s2, cnt, reached):
+    """Pass 1 of the token walk (``token_dfa._FusedWalk``): depth-first walk of the class trie from
+    ``sources[start:]`` (byte states at a token boundary) that stores no edge. Every class node ``c``
+    reached from source ``q`` (its byte string is defined from ``q``, leading to ``q2``) that carries a
+    group ``g`` adds the pair ``(q, q2)`` to ``g``'s hash sums (the sums of
+    ``token_dfa._merge_groups_numpy``, uint64 arithmetic wrapping modulo 2⁶⁴, order-free)::
 
-    Every class node ``c`` reached from source ``i`` (its byte string is defined from ``sources[i]``)
-    that carries a group emits ``(depth(c), i, group_of_cnode[c], byte state)``. Per source the emission
-    order is the preorder of the trie, children in id order; :func:`bucket_by_level` then orders all
-    emissions by depth (stable), which is exactly the level-by-level frontier order of
-    ``token_dfa._walk_numpy``.
+        s1[g] += h_a[q] * (h_b[q2] | 1) + h_c[q2];  s2[g] += h_d[q] * (h_e[q2] | 1) + h_f[q2];  cnt[g] += 1
+
+    and marks ``reached[q2]``.
 
     Args:
         child_ptr: ``int64[M+1]`` children of class node c are ``child_ptr[c]:child_ptr[c+1]``.
@@ -166,29 +171,30 @@ def walk_sources(child_ptr, byte_of_cnode, group_of_cnode, table, sources, start
         max_visits: no new source is started once this many trie arcs were tried in this call (the
             first one always is).
         max_depth: depth of the class trie (the DFS stack size).
-        per_source_max: bound on one source's emissions (the number of class nodes with a group); no
-            new source is started unless that many output slots are free.
-        o_l, o_s, o_g, o_q: ``int32[cap]`` output buffers (level, source index, group, byte state),
-            ``cap >= n0 + per_source_max``.
-        n0: emissions already in the buffers (written from there on).
+        h_a .. h_f: ``uint64[n]`` per-byte-state hash values (``token_dfa._state_hashes``).
+        s1, s2: ``uint64[G]``; cnt: ``int64[G]`` -- the sums, updated in place.
+        reached: ``bool[n]`` -- updated in place.
 
     Returns:
-        ``(next_start, n_out)``: the first source not walked (``len(sources)`` when done) and the
-        number of emissions in the buffers (``n0`` included).
+        ``(next_start, n_emitted)``: the first source not walked (``len(sources)`` when done) and the
+        number of (source, group) transitions found in this call.
     """
     n = sources.shape[0]
-    cap = o_l.shape[0]
-    n_out = n0
     st_q = np.empty(max_depth + 2, np.int32)
     st_it = np.empty(max_depth + 2, np.int64)
     st_end = np.empty(max_depth + 2, np.int64)
+    one = np.uint64(1)
     visits = 0
+    n_emit = 0
     i = start
     while i < n:
-        if i > start and (visits >= max_visits or n_out + per_source_max > cap):
+        if i > start and visits >= max_visits:
             break
+        q0 = sources[i]
+        ha = h_a[q0]
+        hd = h_d[q0]
         top = 0
-        st_q[0] = sources[i]
+        st_q[0] = q0
         st_it[0] = child_ptr[0]
         st_end[0] = child_ptr[1]
         while top >= 0:
@@ -203,13 +209,92 @@ def walk_sources(child_ptr, byte_of_cnode, group_of_cnode, table, sources, start
                 continue
             g = group_of_cnode[c]
             if g >= 0:
-                o_l[n_out] = top + 1
+                s1[g] += ha * (h_b[nq] | one) + h_c[nq]
+                s2[g] += hd * (h_e[nq] | one) + h_f[nq]
+                cnt[g] += 1
+                reached[nq] = True
+                n_emit += 1
+            lo = child_ptr[c]
+            hi = child_ptr[c + 1]
+            if lo < hi:
+                top += 1
+                st_q[top] = nq
+                st_it[top] = lo
+                st_end[top] = hi
+        i += 1
+    return i, n_emit
+
+
+@_jit
+def prune_trie(parent, child_ptr, keep):
+    """The class trie restricted to the nodes marked in ``keep`` (``bool[M]``, updated in place: every
+    ancestor of a kept node is kept; node ids are numbered level by level, so parents precede children).
+    Returns ``(kid_ptr int64[M+1], kids int32[m])``: the kept children of node c, in id order, are
+    ``kids[kid_ptr[c]:kid_ptr[c+1]]``."""
+    M = parent.shape[0]
+    for c in range(M - 1, 0, -1):
+        if keep[c]:
+            keep[parent[c]] = True
+    kid_ptr = np.zeros(M + 1, np.int64)
+    m = 0
+    for c in range(1, M):
+        if keep[c]:
+            kid_ptr[parent[c] + 1] += 1
+            m += 1
+    for c in range(M):
+        kid_ptr[c + 1] += kid_ptr[c]
+    fill = kid_ptr[:-1].copy()
+    kids = np.empty(m, np.int32)
+    for c in range(1, M):
+        if keep[c]:
+            p = parent[c]
+            kids[fill[p]] = c
+            fill[p] += 1
+    return kid_ptr, kids
+
+
+@_jit
+def walk_emit(kid_ptr, kids, byte_of_cnode, emit_group, table, sources, start, max_visits, max_depth,
+              per_source_max, o_s, o_g, o_q, n0):
+    """Pass 2 of the token walk (``token_dfa._FusedWalk``): depth-first walk of the pruned class trie
+    (:func:`prune_trie`) from ``sources[start:]``; every node ``c`` with ``emit_group[c] >= 0`` reached
+    from source index ``i`` emits ``(i, emit_group[c], byte state)`` into the output buffers from ``n0``
+    on. Chunked like :func:`walk_hash` (``max_visits``); no new source is started unless
+    ``per_source_max`` output slots are free. Returns ``(next_start, n_out)``."""
+    n = sources.shape[0]
+    cap = o_s.shape[0]
+    n_out = n0
+    st_q = np.empty(max_depth + 2, np.int32)
+    st_it = np.empty(max_depth + 2, np.int64)
+    st_end = np.empty(max_depth + 2, np.int64)
+    visits = 0
+    i = start
+    while i < n:
+        if i > start and (visits >= max_visits or n_out + per_source_max > cap):
+            break
+        top = 0
+        st_q[0] = sources[i]
+        st_it[0] = kid_ptr[0]
+        st_end[0] = kid_ptr[1]
+        while top >= 0:
+            p = st_it[top]
+            if p == st_end[top]:
+                top -= 1
+                continue
+            st_it[top] = p + 1
+            c = kids[p]
+            visits += 1
+            nq = table[st_q[top], byte_of_cnode[c]]
+            if nq < 0:
+                continue
+            g = emit_group[c]
+            if g >= 0:
                 o_s[n_out] = i
                 o_g[n_out] = g
                 o_q[n_out] = nq
                 n_out += 1
-            lo = child_ptr[c]
-            hi = child_ptr[c + 1]
+            lo = kid_ptr[c]
+            hi = kid_ptr[c + 1]
             if lo < hi:
                 top += 1
                 st_q[top] = nq
@@ -236,157 +321,6 @@ def unique_states(q, n_states):
             out[j] = v
             j += 1
     return out
-
-
-@_jit
-def bucket_by_level(level, src, grp, state):
-    """Stable counting sort of the emissions of :func:`walk_sources` by ``level`` (``int32[e]``, >= 1).
-    Returns ``(src, grp, state)`` reordered (``int32[e]`` each)."""
-    e = level.shape[0]
-    if e == 0:
-        return src.copy(), grp.copy(), state.copy()
-    D = 0
-    for i in range(e):
-        if level[i] > D:
-            D = level[i]
-    cnt = np.zeros(D + 2, np.int64)
-    for i in range(e):
-        cnt[level[i] + 1] += 1
-    for d in range(1, D + 2):
-        cnt[d] += cnt[d - 1]
-    s2 = np.empty(e, np.int32)
-    g2 = np.empty(e, np.int32)
-    q2 = np.empty(e, np.int32)
-    for i in range(e):
-        p = cnt[level[i]]
-        cnt[level[i]] = p + 1
-        s2[p] = src[i]
-        g2[p] = grp[i]
-        q2[p] = state[i]
-    return s2, g2, q2
-
-
-@_jit
-def group_hash_sums(es, eg, en, ra, rb, rc, G):
-    """Per group g: ``(Σ ra[es]*(rb[en]|1) + rc[en], Σ rb[es]*(rc[en]|1) + ra[en], count)`` over its edges,
-    int64 arithmetic wrapping modulo 2⁶⁴ (the sums of ``token_dfa._merge_groups_numpy``; order-free).
-
-    Args:
-        es, eg, en: ``int64[E]`` edges (source state, group, next state).
-        ra, rb, rc: ``int64[n_states]`` random vectors.
-        G: number of groups.
-
-    Returns:
-        ``(s1 int64[G], s2 int64[G], cnt int64[G])``.
-    """
-    s1 = np.zeros(G, np.int64)
-    s2 = np.zeros(G, np.int64)
-    cnt = np.zeros(G, np.int64)
-    for i in range(es.shape[0]):
-        a = es[i]
-        b = en[i]
-        g = eg[i]
-        s1[g] += ra[a] * (rb[b] | 1) + rc[b]
-        s2[g] += rb[a] * (rc[b] | 1) + ra[b]
-        cnt[g] += 1
-    return s1, s2, cnt
-
-
-@_jit
-def merge_dedup(es, en, ng, n_new, n_states, members):
-    """Verify a candidate group merge and deduplicate the edges (``token_dfa._merge_groups_numpy``).
-
-    The merge is exact iff for every (new group, source) pair present there are exactly
-    ``members[new group]`` edges, all to the same state (each old group has at most one edge per
-    source). Pairs are tallied in a dense ``n_new × n_states`` table when it has at most 2²⁴ cells, else
-    the edges are sorted by (new group, source) with two stable counting sorts.
-
-    Args:
-        es, en: ``int64[E]`` source and next state; ng: ``int64[E]`` new group of each edge.
-        n_new: number of new groups; n_states: number of states; members: ``int64[n_new]`` old groups
-            per new group.
-
-    Returns:
-        ``(ok, u_es int64[U], u_g int64[U], u_en int64[U])`` -- the deduplicated edges sorted by
-        (group, source, next state); empty arrays when ``ok`` is False (a hash collision).
-    """
-    E = es.shape[0]
-    e0 = np.zeros(0, np.int64)
-    if np.int64(n_new) * n_states <= (1 << 24):
-        cells = n_new * n_states
-        tgt = np.full(cells, -1, np.int64)
-        cnt = np.zeros(cells, np.int64)
-        n_u = 0
-        for i in range(E):
-            c = ng[i] * n_states + es[i]
-            if cnt[c] == 0:
-                tgt[c] = en[i]
-                n_u += 1
-            elif tgt[c] != en[i]:
-                return False, e0, e0, e0
-            cnt[c] += 1
-        u_es = np.empty(n_u, np.int64)
-        u_g = np.empty(n_u, np.int64)
-        u_en = np.empty(n_u, np.int64)
-        j = 0
-        for g in range(n_new):
-            m = members[g]
-            for s in range(n_states):
-                c = g * n_states + s
-                k = cnt[c]
-                if k == 0:
-                    continue
-                if k != m:
-                    return False, e0, e0, e0
-                u_es[j] = s
-                u_g[j] = g
-                u_en[j] = tgt[c]
-                j += 1
-        return True, u_es, u_g, u_en
-    cnt = np.zeros(n_states + 1, np.int64)
-    for i in range(E):
-        cnt[es[i] + 1] += 1
-    for s in range(1, n_states + 1):
-        cnt[s] += cnt[s - 1]
-    by_s = np.empty(E, np.int64)
-    for i in range(E):
-        p = cnt[es[i]]
-        cnt[es[i]] = p + 1
-        by_s[p] = i
-    cg = np.zeros(n_new + 1, np.int64)
-    for i in range(E):
-        cg[ng[i] + 1] += 1
-    for g in range(1, n_new + 1):
-        cg[g] += cg[g - 1]
-    order = np.empty(E, np.int64)
-    for j in range(E):
-        i = by_s[j]
-        p = cg[ng[i]]
-        cg[ng[i]] = p + 1
-        order[p] = i
-    u_es = np.empty(E, np.int64)
-    u_g = np.empty(E, np.int64)
-    u_en = np.empty(E, np.int64)
-    n_u = 0
-    j = 0
-    while j < E:
-        i0 = order[j]
-        g = ng[i0]
-        s = es[i0]
-        t = en[i0]
-        j2 = j + 1
-        while j2 < E and ng[order[j2]] == g and es[order[j2]] == s:
-            if en[order[j2]] != t:
-                return False, e0, e0, e0
-            j2 += 1
-        if j2 - j != members[g]:
-            return False, e0, e0, e0
-        u_es[n_u] = s
-        u_g[n_u] = g
-        u_en[n_u] = t
-        n_u += 1
-        j = j2
-    return True, u_es[:n_u], u_g[:n_u], u_en[:n_u]
 
 
 @_jit
@@ -796,13 +730,13 @@ def warm_up() -> None:
         i64 = np.zeros(2, np.int64)
         class_trie(np.array([-1, 0], np.int32), np.array([0, 0], np.int32), np.array([1, 2, 2], np.int64), 1)
         table = np.full((1, 256), -1, np.int32)
-        walk_sources(np.array([1, 1], np.int64), i32[:1], i32[:1], table, i32[:1], 0, 1, 1, 1, i32, i32, i32, i32, 0)
+        u64 = np.zeros(1, np.uint64)
+        walk_hash(np.array([1, 1], np.int64), i32[:1], i32[:1], table, i32[:1], 0, 1, 1, u64, u64, u64, u64, u64,
+                  u64, u64.copy(), u64.copy(), i64[:1].copy(), np.zeros(1, np.bool_))
+        kp, kids = prune_trie(np.array([-1], np.int32), np.array([1, 1], np.int64), np.ones(1, np.bool_))
+        walk_emit(kp, kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, 1, i32, i32, i32, 0)
         unique_states(i32, 1)
         unique_states(i64, 1)
-        bucket_by_level(i32, i32, i32, i32)
-        group_hash_sums(i64, i64, i64, np.ones(1, np.int64), np.ones(1, np.int64), np.ones(1, np.int64), 1)
-        merge_dedup(i64, i64, i64, 1, 1, np.full(1, 2, np.int64))
-        merge_dedup(i64, i64, i64, 1 << 13, 1 << 12, np.full(1 << 13, 2, np.int64))
         finish(i64, i64, i64, np.ones(1, bool), 1)
         allows_some(np.zeros((1, 1), np.int32), i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         pairs_clear(np.zeros((1, 1), np.int32), i32[:1], i64[:1], np.zeros((1, 1), np.int64), i64[:1],

@@ -163,7 +163,7 @@ def _walk_numpy(
     sources: np.ndarray, deadline: float, max_edges: int,
 ):
     """Edges (src index, group, byte state) of all tokens from all ``sources`` (byte states), level by
-    level (reference path of :func:`_walk_numba`)."""
+    level (reference path of :class:`_FusedWalk`)."""
     src = np.arange(len(sources), dtype=np.int32)
     node = np.zeros(len(sources), dtype=np.int32)
     q = sources.astype(np.int32)
@@ -315,6 +315,7 @@ def build_token_dfa(
             n_states += 1
         return j
 
+    fw = _FusedWalk(ct, group_of_cnode, rep_byte, table, G, deadline, max_edges) if fast else None
     new_plain(np.array([0], dtype=np.int64))
     # walk from every character boundary at once (usually all reachable; unreachable ones are dropped)
     new_plain(bdfa.char_entry.astype(np.int64))
@@ -328,13 +329,15 @@ def build_token_dfa(
         plain_sel = np.flatnonzero(ka < 0)
         if len(plain_sel):
             srcs = kq[plain_sel]
-            walk = _walk_numba if fast else _walk_numpy
-            s_i, g, nq = walk(ct, group_of_cnode, rep_byte, table, srcs, deadline, max_edges)
-            if len(s_i):
-                new_plain(nq if fast else nq.astype(np.int64))
-                E_s.append(lo + plain_sel[s_i])
-                E_g.append(g.astype(np.int64))
-                E_n.append(plain_id[nq])
+            if fw is not None:  # pass 1: states reached and group hash sums, no edges stored
+                new_plain(fw.hash_round(srcs))
+            else:
+                s_i, g, nq = _walk_numpy(ct, group_of_cnode, rep_byte, table, srcs, deadline, max_edges)
+                if len(s_i):
+                    new_plain(nq.astype(np.int64))
+                    E_s.append(lo + plain_sel[s_i])
+                    E_g.append(g.astype(np.int64))
+                    E_n.append(plain_id[nq])
         if bf_acc is not None:
             # byte-fallback tokens, vectorized over the batch: (state i, byte b) pairs
             rows = bf_acc[np.maximum(ka, 0)]  # [n, 256]
@@ -362,10 +365,16 @@ def build_token_dfa(
     kq_all = np.asarray(keys_q, dtype=np.int64)
     ka_all = np.asarray(keys_a, dtype=np.int64)
     acc_all = (ka_all < 0) & bdfa.final[kq_all]
+    # hash key of each token state: its byte state (plain states) or nb + its id (inner states)
+    skey = np.where(ka_all < 0, kq_all, nb + np.arange(n_states, dtype=np.int64))
+    if fw is not None:  # merge from the pass-1 sums, then pass 2 emits the merged edges
+        es, eg, en, token_group, G = fw.merge_and_emit(plain_id, kq_all, ka_all, skey, es, eg, en, token_group, G)
+    else:
+        es, eg, en, token_group, G = _merge_groups_numpy(es, eg, en, token_group, G, n_states, skey)
+    order = np.lexsort((eg, es))  # (state, group) order: the BFS numbering of the trim follows it
+    es, eg, en = es[order], eg[order], en[order]
     if fast:
-        es, eg, en, token_group, G = _merge_groups_numba(es, eg, en, token_group, G, n_states)
         return _finish_numba(n_states, es, eg, en, acc_all, token_group, G, kq_all.astype(np.int32))
-    es, eg, en, token_group, G = _merge_groups_numpy(es, eg, en, token_group, G, n_states)
     return _finish_numpy(n_states, es, eg, en, acc_all, token_group, G, kq_all.astype(np.int32))
 
 
@@ -393,7 +402,7 @@ def _class_trie_numba(trie: TokenTrie, bcls: np.ndarray, K: int, deadline: float
 
 
 def _class_trie_depth(ct: _ClassTrie) -> int:
-    """Depth of the class trie: the DFS stack size of :func:`.kernels.walk_sources`. Nodes are numbered
+    """Depth of the class trie: the DFS stack size of :func:`.kernels.walk_hash`. Nodes are numbered
     level by level, so level d+1 is the child range of level d's node range. O(depth)."""
     cp = ct.child_ptr
     lo, hi, d = 0, 1, 0
@@ -405,75 +414,159 @@ def _class_trie_depth(ct: _ClassTrie) -> int:
         lo, hi = nlo, nhi
 
 
-def _walk_numba(
-    ct: _ClassTrie, group_of_cnode: np.ndarray, rep_byte: np.ndarray, table: np.ndarray,
-    sources: np.ndarray, deadline: float, max_edges: int,
-):
-    """:func:`_walk_numpy` with :func:`.kernels.walk_sources` (depth first, chunks of sources bounded by
-    ``_WALK_CHUNK_VISITS`` trie arcs, deadline and ``max_edges`` checked between chunks) and
-    :func:`.kernels.bucket_by_level` (the emissions in the numpy path's level-by-level order).
-    Returns ``(src index int32[e], group int32[e], byte state int32[e])``."""
-    from . import kernels
+_HASH_SALTS = (0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D, 0x9E3779B97F4A7C15,
+               0xD1B54A32D192ED03, 0x8CB92BA72F3D8DD7)
 
-    e = np.zeros(0, dtype=np.int32)
-    if len(rep_byte) == 0 or len(sources) == 0:  # no byte is ever accepted (the language is {ε})
-        return e, e, e
-    byte_of_cnode = rep_byte[np.maximum(ct.label, 0)].astype(np.int32)
-    gc = np.ascontiguousarray(group_of_cnode, dtype=np.int32)
-    tab = np.ascontiguousarray(table, dtype=np.int32)
-    src = np.ascontiguousarray(sources, dtype=np.int32)
-    per_source = int((gc >= 0).sum())  # one source emits at most once per group node
-    depth = _class_trie_depth(ct)
-    cap = max(1 << 16, 2 * per_source)
-    bufs = [np.empty(cap, dtype=np.int32) for _ in range(4)]
-    n_out = 0
-    i = 0
-    while i < len(src):
-        if n_out + per_source > len(bufs[0]):  # room for at least one more source
-            cap = max(2 * len(bufs[0]), n_out + 2 * per_source)
-            grown = [np.empty(cap, dtype=np.int32) for _ in range(4)]
-            for b_old, b_new in zip(bufs, grown):
-                b_new[:n_out] = b_old[:n_out]
-            bufs = grown
-        i, n_out = kernels.walk_sources(ct.child_ptr, byte_of_cnode, gc, tab, src, i, _WALK_CHUNK_VISITS, depth,
-                                        per_source, *bufs, n_out)
-        if n_out > max_edges:
-            raise CompileBudgetError(f"token automaton exceeds {max_edges} group transitions", None)
-        if time.perf_counter() > deadline:
+
+def _state_hashes(keys: np.ndarray) -> list:
+    """Six ``uint64[n]`` pseudo-random values per state key (``int64[n]``, >= 0): splitmix64 of
+    ``key + salt`` (a pure function of the key, so the numba pass and the numpy path agree without
+    sharing random vectors)."""
+    k = np.asarray(keys, dtype=np.int64).astype(np.uint64)
+    out = []
+    for salt in _HASH_SALTS:
+        z = (k + np.uint64(salt)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        out.append(z ^ (z >> np.uint64(31)))
+    return out
+
+
+def _pair_hashes(h: list, es: np.ndarray, en: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(h1, h2)`` (``uint64[E]``) of the edges ``es -> en`` (state indices into the arrays of
+    :func:`_state_hashes`): the terms of the group hash sums (:func:`.kernels.walk_hash`)."""
+    one = np.uint64(1)
+    h1 = h[0][es] * (h[1][en] | one) + h[2][en]
+    h2 = h[3][es] * (h[4][en] | one) + h[5][en]
+    return h1, h2
+
+
+class _FusedWalk:
+    """The numba path of the walk and the group merge, in two passes that never hold the unmerged edges
+    (inside a bounded JSON string every position state has ~10⁴-10⁵ unmerged edges, which the merge
+    collapses to a few hundred; see :func:`_merge_groups_numpy` for the merge itself).
+
+    * Pass 1 (:meth:`hash_round`, once per discovery round, :func:`.kernels.walk_hash`): the states
+      reached and, per group, hash sums of its (source, next state) pairs.
+    * :meth:`merge_and_emit`: groups with equal sums (and pair counts) are merged; pass 2
+      (:func:`.kernels.walk_emit`) walks the class trie pruned to one class node per merged group
+      (:func:`.kernels.prune_trie`) from every source and emits the merged edges.
+
+    The merge is decided on two 64-bit hash sums without the numpy path's exact check (that check needs
+    every unmerged edge): two groups with different pair sets are merged only if both sums collide
+    (probability ~2⁻¹²⁰ per pair of groups for independent hashes; ``tests/test_compiler.py`` compares
+    the automata with the numpy path's verified merge).
+    """
+
+    def __init__(self, ct: _ClassTrie, group_of_cnode: np.ndarray, rep_byte: np.ndarray, table: np.ndarray,
+                 G: int, deadline: float, max_edges: int):
+        self.ct = ct
+        self.gc = np.ascontiguousarray(group_of_cnode, dtype=np.int32)
+        self.byte_of_cnode = rep_byte[np.maximum(ct.label, 0)].astype(np.int32) if len(rep_byte) else None
+        self.tab = np.ascontiguousarray(table, dtype=np.int32)
+        self.nb = table.shape[0]
+        self.deadline = deadline
+        self.max_edges = max_edges
+        self.depth = _class_trie_depth(ct)
+        self.h = _state_hashes(np.arange(self.nb, dtype=np.int64))
+        self.s1 = np.zeros(max(G, 1), dtype=np.uint64)
+        self.s2 = np.zeros(max(G, 1), dtype=np.uint64)
+        self.cnt = np.zeros(max(G, 1), dtype=np.int64)
+        self.reached = np.zeros(self.nb, dtype=bool)
+
+    def _check_deadline(self) -> None:
+        if time.perf_counter() > self.deadline:
             raise CompileBudgetError("regex compilation exceeded the time budget", None)
-    if n_out == 0:
-        return e, e, e
-    lv, s_i, g, q = (b[:n_out] for b in bufs)
-    return kernels.bucket_by_level(lv, s_i, g, q)
 
+    def hash_round(self, sources: np.ndarray) -> np.ndarray:
+        """Pass 1 from the byte states ``sources``; returns every byte state reached so far (``int64``,
+        sorted). Raises :class:`CompileBudgetError` past the deadline or when this round finds more than
+        ``max_edges`` transitions."""
+        from . import kernels
 
-def _merge_groups_numba(es, eg, en, token_group, G, n_states):
-    """:func:`_merge_groups_numpy` with the per-edge work in kernels (:func:`.kernels.group_hash_sums`,
-    :func:`.kernels.merge_dedup`); the per-group part (lexsort of the hash sums) stays numpy."""
-    from . import kernels
+        if self.byte_of_cnode is None or not len(sources):  # no byte is ever accepted (the language is {ε})
+            return np.zeros(0, dtype=np.int64)
+        src = np.ascontiguousarray(sources, dtype=np.int32)
+        n_emit = 0
+        i = 0
+        while i < len(src):
+            i, n = kernels.walk_hash(self.ct.child_ptr, self.byte_of_cnode, self.gc, self.tab, src, i,
+                                     _WALK_CHUNK_VISITS, self.depth, *self.h, self.s1, self.s2, self.cnt,
+                                     self.reached)
+            n_emit += n
+            if n_emit > self.max_edges:
+                raise CompileBudgetError(f"token automaton exceeds {self.max_edges} group transitions", None)
+            self._check_deadline()
+        return np.flatnonzero(self.reached).astype(np.int64)
 
-    if len(eg) == 0 or G <= 1:
-        return es, eg, en, token_group, G
-    rng = np.random.default_rng(7)
-    ra = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
-    rb = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
-    rc = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
-    es = np.ascontiguousarray(es, dtype=np.int64)
-    eg = np.ascontiguousarray(eg, dtype=np.int64)
-    en = np.ascontiguousarray(en, dtype=np.int64)
-    s1a, s2a, cnta = kernels.group_hash_sums(es, eg, en, ra, rb, rc, int(G))
-    groups_present = np.flatnonzero(cnta)
-    s1, s2, cnt = s1a[groups_present], s2a[groups_present], cnta[groups_present]
-    inv, newg, n_new = _candidate_groups(s1, s2, cnt, groups_present, G)
-    if n_new == len(groups_present):
-        return es, eg, en, token_group, G
-    members = np.bincount(inv, minlength=n_new).astype(np.int64)
-    ok, u_es, u_g, u_en = kernels.merge_dedup(es, en, newg[eg], n_new, int(n_states), members)
-    if not ok:  # a hash collision: keep the fine groups
-        return es, eg, en, token_group, G
-    tg = np.where(token_group >= 0, newg[np.maximum(token_group, 0)], -1)
-    tg = np.where(tg >= 0, tg, -1).astype(np.int32)
-    return u_es, u_g, u_en, tg, n_new
+    def merge_and_emit(self, plain_id, kq_all, ka_all, skey, bf_s, bf_g, bf_n, token_group, G):
+        """Merge the groups and emit the merged edges (pass 2). ``bf_s, bf_g, bf_n``: the byte-fallback
+        edges of the canonical byte policy (token-state ids, ``int64``), merged and deduplicated here.
+        Returns ``(es, eg, en, token_group, G)`` like :func:`_merge_groups_numpy` (edges in any order)."""
+        from . import kernels
+
+        s1, s2, cnt = self.s1[:G].copy(), self.s2[:G].copy(), self.cnt[:G].copy()
+        if len(bf_s):
+            h1, h2 = _pair_hashes(_state_hashes(skey), bf_s, bf_n)
+            np.add.at(s1, bf_g, h1)
+            np.add.at(s2, bf_g, h2)
+            cnt += np.bincount(bf_g, minlength=G)
+        newg = np.arange(G, dtype=np.int64)
+        present = np.flatnonzero(cnt)
+        if len(present) and G > 1:
+            inv, cand, n_new = _candidate_groups(s1[present], s2[present], cnt[present], present, G)
+            if n_new < len(present):
+                newg = cand
+                tg = np.where(token_group >= 0, newg[np.maximum(token_group, 0)], -1)
+                token_group = np.where(tg >= 0, tg, -1).astype(np.int32)
+                G = n_new
+        # one class node per merged group (the lowest trie group: the shallowest node)
+        ct = self.ct
+        trie_groups = np.flatnonzero(self.gc >= 0)  # class nodes carrying a group, group ids ascending
+        g_of_node = self.gc[trie_groups].astype(np.int64)
+        live = cnt[g_of_node] > 0
+        nodes, g_of_node = trie_groups[live], g_of_node[live]
+        e_of_node = newg[g_of_node]
+        first = np.unique(e_of_node, return_index=True)[1] if len(e_of_node) else np.zeros(0, np.int64)
+        emit_group = np.full(len(ct.parent), -1, dtype=np.int32)
+        emit_group[nodes[first]] = e_of_node[first]
+        has_rep = np.zeros(max(G, 1), dtype=bool)
+        has_rep[e_of_node[first]] = True
+        out_s, out_g, out_n = [], [], []
+        plain_states = np.flatnonzero(ka_all < 0)
+        if len(first) and len(plain_states):
+            kid_ptr, kids = kernels.prune_trie(ct.parent, ct.child_ptr, emit_group >= 0)
+            src = np.ascontiguousarray(kq_all[plain_states], dtype=np.int32)
+            per_source = len(first)
+            cap = max(1 << 16, 2 * per_source)
+            bufs = [np.empty(cap, dtype=np.int32) for _ in range(3)]
+            n_out = 0
+            i = 0
+            while i < len(src):
+                if n_out + per_source > len(bufs[0]):
+                    grown = [np.empty(max(2 * len(bufs[0]), n_out + 2 * per_source), dtype=np.int32) for _ in range(3)]
+                    for b_old, b_new in zip(bufs, grown):
+                        b_new[:n_out] = b_old[:n_out]
+                    bufs = grown
+                i, n_out = kernels.walk_emit(kid_ptr, kids, self.byte_of_cnode, emit_group, self.tab, src, i,
+                                             _WALK_CHUNK_VISITS, self.depth, per_source, *bufs, n_out)
+                self._check_deadline()
+            si, g, q = (b[:n_out] for b in bufs)
+            out_s.append(plain_states[si])
+            out_g.append(g.astype(np.int64))
+            out_n.append(plain_id[q])
+        if len(bf_s):  # byte-fallback edges of merged groups without a class node, deduplicated
+            e = newg[bf_g]
+            keep = ~has_rep[e]
+            key = e[keep] * np.int64(len(ka_all)) + bf_s[keep]
+            _, idx = np.unique(key, return_index=True)
+            out_s.append(bf_s[keep][idx])
+            out_g.append(e[keep][idx])
+            out_n.append(bf_n[keep][idx])
+        if not out_s:
+            z = np.zeros(0, dtype=np.int64)
+            return z, z, z, token_group, G
+        return np.concatenate(out_s), np.concatenate(out_g), np.concatenate(out_n), token_group, G
 
 
 def _candidate_groups(s1, s2, cnt, groups_present, G):
@@ -508,27 +601,21 @@ def _finish_numba(S_all, es, eg, en, acc_all, token_group, G, byte_state) -> Tok
     )
 
 
-def _merge_groups_numpy(es, eg, en, token_group, G, n_states):
+def _merge_groups_numpy(es, eg, en, token_group, G, n_states, skey):
     """Merge groups that behave identically from every state (same set of (state, next state) pairs):
     class strings that differ only in bytes no state along their paths tells apart (e.g. two words
-    inside a JSON string). Exact: candidate merges come from a hash of the pair sets and are verified.
+    inside a JSON string). Candidate merges come from two hash sums of the pair sets (states hashed by
+    their key ``skey: int64[n_states]``, :func:`_state_hashes`) and are verified exactly here.
     Returns (es, eg, en, token_group, G) with edges deduplicated."""
     if len(eg) == 0 or G <= 1:
         return es, eg, en, token_group, G
-    rng = np.random.default_rng(7)
-    ra = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
-    rb = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
-    rc = rng.integers(1, 2**62, size=n_states, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        h1 = ra[es] * (rb[en] | 1) + rc[en]
-        h2 = rb[es] * (rc[en] | 1) + ra[en]
+    h1, h2 = _pair_hashes(_state_hashes(skey), es, en)
     order = np.argsort(eg, kind="stable")
     g_sorted = eg[order]
     starts = np.flatnonzero(np.concatenate([[True], g_sorted[1:] != g_sorted[:-1]]))
     groups_present = g_sorted[starts]
-    with np.errstate(over="ignore"):
-        s1 = np.add.reduceat(h1[order], starts)
-        s2 = np.add.reduceat(h2[order], starts)
+    s1 = np.add.reduceat(h1[order], starts)
+    s2 = np.add.reduceat(h2[order], starts)
     cnt = np.diff(np.concatenate([starts, [len(order)]]))
     inv, newg, n_new = _candidate_groups(s1, s2, cnt, groups_present, G)
     if n_new == len(groups_present):
