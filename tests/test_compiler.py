@@ -570,8 +570,62 @@ def _analysis_pair(arts, regex: str, monkeypatch):
         an = cp._Analysis(M, H, time.perf_counter() + 300, n)
         an.use_kernels = use
         an.run(n)
+        an.n_char_states = n
         out.append(an)
     return cp, out[0], out[1]
+
+
+@pytest.mark.parametrize("name, regex", [
+    ("smollm2", _JSON_LIKE), ("smollm2", _POKEDEX_LIKE), ("smollm2", r'"[^"\\]{0,20}", "[a-z]{1,6}"'),
+    ("smollm2", r"(yes|no|maybe)[.!]?"), ("tekken", r'\{"a": "[a-z ]{0,6}"(, "b": [0-9]{1,2})?\}'),
+])
+def test_deadend_entering_classes_exact(fst_artifacts, monkeypatch, name, regex):
+    """The analysis decides each state only for the classes a token can enter it with
+    (``_Analysis.entering_classes``): its bad tables equal the analysis over every class on those classes
+    (the only ones any reader uses), for every regex state; and the factored automata built from both
+    give the same rows and successors on random walks."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+
+    arts = fst_artifacts(name)
+    _, fast, _ = _analysis_pair(arts, regex, monkeypatch)
+    monkeypatch.setattr(cp._Analysis, "_ENTERING_MAX_TOKENS", -1)  # every state "wide": all classes
+    full = cp._Analysis(fast.M, fast.H, time.perf_counter() + 300, fast.n_char_states)
+    full.run(fast.n_char_states)
+    monkeypatch.undo()
+    restricted = 0
+    for s in range(fast.M.num_states):
+        ent = fast.entering_classes(s)
+        assert full.entering_classes(s) is None
+        a = fast.bad[s] if fast.bad[s] is not None else np.zeros((fast.nsig, fast.H.C), dtype=bool)
+        b = full.bad[s] if full.bad[s] is not None else np.zeros((full.nsig, full.H.C), dtype=bool)
+        if ent is None:
+            assert np.array_equal(a, b), (regex, s)
+        else:
+            restricted += 1
+            assert np.array_equal(a[:, ent], b[:, ent]), (regex, s)
+            rest = np.ones(fast.H.C, dtype=bool)
+            rest[ent] = False
+            assert not a[:, rest].any(), (regex, s)  # the classes it is never entered with are left good
+    assert restricted > 0, regex
+    eos = np.asarray(arts.eos_ids)
+    autos = []
+    for an in (fast, full):
+        rows, index = cp._base_rows(an)
+        autos.append(cp.FactoredCanonical(an.M, an.H, an, eos, rows, index))
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        x = 0
+        for _step in range(40):
+            r1, r2 = autos[0].row(x), autos[1].row(x)
+            assert np.array_equal(r1, r2), (regex, x)
+            ids = cp.ids_of_row(r1)
+            ids = ids[~np.isin(ids, eos)]
+            if not len(ids):
+                break
+            v = int(rng.choice(ids))
+            y1, y2 = autos[0].next_state(x, v), autos[1].next_state(x, v)
+            assert y1 == y2 >= 0, (regex, x, v)
+            x = y1
 
 
 _MEMBER = r'"[a-z]{1,8}"[ ]?:[ ]?("[^"\\]{0,12}"|\d{1,3})'

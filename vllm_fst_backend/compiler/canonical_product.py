@@ -446,6 +446,11 @@ class _Analysis:
         self._cache: dict = {}
         self._inner_memo: dict = {}
         self._bstatic: dict = {}
+        # entering classes (see entering_classes); not with a byte-fallback acceptor (inner goodness
+        # reads other classes)
+        self._ent_ptr = self._ent_cls = self._ent_wide = None
+        if H.acc is None:
+            self._ent_ptr, self._ent_cls, self._ent_wide = self._entering_table()
 
     # memo tables of the analysis itself (rebuilt on demand): not part of the pickled state
     _MEMOS = ("_cache", "_mask_cache", "_row_cache", "_btok", "_grows", "_tok_cache", "_inner_memo", "_bstatic")
@@ -460,6 +465,8 @@ class _Analysis:
         state["_gmat"] = state["_gbuilt"] = None
         state["_tag_full"] = {tag: (tab.shape, np.packbits(tab, axis=None)) for tag, tab in self._tag_full.items()}
         state["bad"] = state["_tab"] = state["_tags"] = None
+        # the entering classes serve the analysis only (a loaded one decides every class)
+        state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -923,17 +930,72 @@ class _Analysis:
 
     # --- one state -------------------------------------------------------------------------------------
 
+    _ENTERING_MAX_TOKENS = 4096  # states entered by more tokens are analysed for every class
+
+    def _entering_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """CSR ``(ptr int64[S+1], classes int64[n])`` of :meth:`entering_classes` for every state, and
+        ``wide: bool[S]`` -- the states entered by more than ``_ENTERING_MAX_TOKENS`` tokens (all classes,
+        empty in the CSR). Vectorized: the classes of each group once, then their union over the edges into
+        each state."""
+        M, H = self.M, self.H
+        S, C = M.num_states, H.C
+        # the classes of each group's tokens (context-dependent tokens: every class they can reach;
+        # negative ones index like numpy's), as a CSR over groups
+        toks = self.g_toks
+        gk = [np.repeat(np.arange(self.G, dtype=np.int64), self.g_size) * C + self.tclass_safe[toks]]
+        cj = H.ctx_j[toks]
+        ctx = np.flatnonzero(cj >= 0)
+        if len(ctx):
+            reach = H.ctx_classes[cj[ctx]].astype(np.int64)
+            reach = np.where(reach < 0, reach + C, reach)
+            g_ctx = np.searchsorted(self.g_ptr, ctx, side="right") - 1
+            gk.append((g_ctx[:, None] * C + reach).ravel())
+        gk = np.unique(np.concatenate(gk))
+        gc_ptr = np.zeros(self.G + 1, dtype=np.int64)
+        np.cumsum(np.bincount(gk // C, minlength=self.G), out=gc_ptr[1:])
+        g_cls = gk % C
+        # per state: the union over the edges into it
+        en = M.edge_next.astype(np.int64)
+        n_in = np.bincount(en, weights=self.g_size[M.edge_group], minlength=S)
+        wide = n_in > self._ENTERING_MAX_TOKENS
+        sel = np.flatnonzero(~wide[en])
+        eg = M.edge_group[sel]
+        reps = gc_ptr[eg + 1] - gc_ptr[eg]
+        offs = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps)
+        uk = np.unique(np.repeat(en[sel], reps) * C + g_cls[np.repeat(gc_ptr[eg], reps) + offs])
+        ptr = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(np.bincount(uk // C, minlength=S), out=ptr[1:])
+        return ptr, uk % C, wide
+
+    def entering_classes(self, s: int) -> np.ndarray | None:
+        """Sorted ``int64`` ids of the classes with which a token can enter regex state ``s`` (the class
+        of each token on an edge into s; for context-dependent tokens every class they can reach), or
+        None (all classes) when more than ``_ENTERING_MAX_TOKENS`` tokens enter s or the tokenizer has
+        byte fallback. The bad table of s is only ever read at these classes (successor checks read the
+        class the token reaches), so :meth:`state_bad` decides only them and leaves the others good."""
+        if self._ent_ptr is None or self._ent_wide[s]:
+            return None
+        return self._ent_cls[int(self._ent_ptr[s]) : int(self._ent_ptr[s + 1])]
+
     def state_bad(self, s: int):
-        """The bad table of s given the current tables of its successors (None = all good)."""
+        """The bad table of s given the current tables of its successors (None = all good); decided for
+        the classes of :meth:`entering_classes` (the others are left good)."""
         M, H = self.M, self.H
         gs, ts = self._edges(s)
         acc = bool(M.accepting[s])
+        ent = self.entering_classes(s)
         # inner goodness (byte-fallback characters) depends on the targets' own edges: key on them then
-        key = (acc, bool(self.mid[s]), bool(self.ws_in[s]), gs.tobytes(), self.tag[ts].tobytes(), ts.tobytes() if H.acc is not None else b"")
+        key = (acc, bool(self.mid[s]), bool(self.ws_in[s]), gs.tobytes(), self.tag[ts].tobytes(),
+               ts.tobytes() if H.acc is not None else b"", None if ent is None else ent.tobytes())
         got = self._cache.get(key, False)
         if got is not False:
             return got
         res = np.zeros((self.nsig, H.C), dtype=bool)
+        base_cand = H.cls_mid if self.mid[s] else H.cls_boundary
+        if ent is not None:
+            only = np.zeros(H.C, dtype=bool)
+            only[ent] = True
+            base_cand = base_cand & only
         # witness candidates: the best token of each (edge group, lookahead class) whose successor
         # (target state, its class, ALL) is good
         wc = self.best[gs]  # [E, L]
@@ -952,7 +1014,7 @@ class _Analysis:
             las = np.flatnonzero(H.sigma_la[i])
             # a product state (t, k, σ) with σ != ALL is only ever entered by a whitespace-final token,
             # so k is the class of one: other classes are irrelevant there (left good)
-            cand = (H.cls_mid if self.mid[s] else H.cls_boundary).copy()
+            cand = base_cand.copy()
             if i != 0:
                 cand &= H.ws_class_mask
             if not cand.any():
@@ -962,10 +1024,14 @@ class _Analysis:
                 if len(w):
                     w = np.unique(w)
                     w = w[np.argsort(H.est_ban[w], kind="stable")[:12]]
+                    # the classes still undecided, as indices: each witness keeps those banning it
+                    idx = np.flatnonzero(cand)
                     for x in w.tolist():
-                        cand &= H.bcol(x)
-                        if not cand.any():
+                        idx = idx[((H.bt[x >> 5, idx] >> (x & 31)) & 1).astype(bool)]
+                        if not len(idx):
                             break
+                    cand[:] = False
+                    cand[idx] = True
             if cand.any():
                 if full_row is None:
                     full_row = self.regular_row_packed(s)

@@ -12,10 +12,14 @@ token ``v`` leads to ``δ*(q, bytes(v))`` (if defined). We compute all of these 
    form one *group* (the terminal-mask idea of 001 §2.5.1, computed instead of hand-written: for
    ``[^\\n]{1,200}`` all newline-free ASCII tokens of length 5 are one group). Dead bytes prune whole
    subtrees. Cost O(trie nodes), vectorized per level.
-3. **Walk.** Level by level over the class trie with a frontier of ``(source state, class node,
-   byte state)`` triples (numpy arrays); every class node carrying a group emits an edge
-   ``(source, group, state)``. Boundary states are discovered in rounds (token boundaries may fall
-   inside a character for byte-level BPE).
+3. **Walk.** Over the class trie from every boundary state; every class node carrying a group emits an
+   edge ``(source, group, state)``. Boundary states are discovered in rounds (token boundaries may fall
+   inside a character for byte-level BPE). Reference path (numpy): level by level with a frontier of
+   ``(source state, class node, byte state)`` triples, all edges kept.
+4. **Group merge.** Groups with the same (source, next state) pairs from every state merge (inside a
+   JSON string, all words of one length). The numba path (:class:`_FusedWalk`) never holds the
+   unmerged edges (~10⁴-10⁵ per string position): pass 1 walks depth first and keeps, per group, two
+   hash sums of its pairs; pass 2 walks the class trie pruned to one node per merged group.
 
 Byte-fallback tokens under the ``"canonical"`` byte policy are added separately: from a boundary state
 they must spell one whole character of :func:`.token_trie.canonical_byte_ranges` (extra *inner*
@@ -226,11 +230,12 @@ def build_token_dfa(
         trie: the tokenizer's :class:`TokenTrie`.
         byte_policy: ``"all"``, ``"no_ascii_with_piece"`` or ``"canonical"`` (000 §4.3).
         deadline: ``time.perf_counter()`` value after which :class:`CompileBudgetError` is raised
-            (default: now + 5 s). The numba walk checks it between chunks of ~1 M trie arcs (a few ms).
+            (default: now + 5 s). The numba passes check it between chunks of ~1 M trie arcs (a few ms).
         max_states: token-DFA state budget (before trimming).
         max_edges: budget of (state, group) transitions found per discovery round.
         backend: ``"numba"`` (compiled kernels of :mod:`.kernels`, the default) or ``"numpy"`` (the
-            vectorized reference path). Both give identical arrays (``tests/test_compiler.py``).
+            vectorized reference path). Both give identical arrays (``tests/test_compiler.py``) unless two
+            groups' hash sums collide (:class:`_FusedWalk`).
 
     Returns:
         The trimmed :class:`TokenDFA`.
@@ -454,7 +459,7 @@ class _FusedWalk:
 
     The merge is decided on two 64-bit hash sums without the numpy path's exact check (that check needs
     every unmerged edge): two groups with different pair sets are merged only if both sums collide
-    (probability ~2⁻¹²⁰ per pair of groups for independent hashes; ``tests/test_compiler.py`` compares
+    (probability below 2⁻¹⁰⁰ per pair of groups; ``tests/test_compiler.py`` compares
     the automata with the numpy path's verified merge).
     """
 
