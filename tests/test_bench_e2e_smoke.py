@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fst_testlib import fst_artifacts  # noqa: F401  (fixture)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -305,3 +306,22 @@ def test_serving_repeated_rows_are_shown_but_not_targeted(tmp_path):
     assert tgt == b.serving_targets(rows)  # targets: rows with new constraints only
     assert b._size_key(again[0]) != b._size_key(rows[0])
     assert b.make_serving_plot(rows + again, tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_bench_compile_serving_stages(fst_artifacts):
+    """scripts/bench_compile_serving.py compiles the first serving constraints for real (canonical, SmolLM2)
+    and reports every stage: the stage sums are positive where the stage ran and add up to at most the
+    compile sum."""
+    from scripts import bench_compile_serving as b
+
+    cases = b.serving_constraints(3)
+    assert [c[1] for c in cases] == ["json", "json", "regex"]
+    rows = b.measure_fst(cases, fst_artifacts("smollm2"), repeats=1)
+    assert len(rows) == 3
+    for r in rows:
+        stages = sum(r[k] for k, _ in b.STAGES)
+        assert r["ms_char"] > 0 and r["ms_token"] > 0 and r["ms_deadend"] > 0, r
+        assert 0 < stages <= r["ms"], r
+        assert r["byte_states"] > 1
+    table = b.table(rows, None)
+    assert table.splitlines()[2].startswith("| 3 (2 JSON schemas) |") and "n/a" in table
