@@ -90,18 +90,20 @@ def test_round_trip_same_automaton(smol, canonical):
 
 def test_disk_cache_keys_and_budget(smol, tmp_path):
     _, art, _ = smol
-    cache = persist.DiskCache(tmp_path / "c", max_bytes=6 << 20)
+    compiled = [compile_regex(rx, art, CompileOptions(), budgets=CompileBudgets(time_budget_s=60)) for rx in REGEXES]
+    sizes = [len(persist.dumps(c)) for c in compiled]
+    assert all(s > 0 for s in sizes)
+    # a budget that holds the largest file but not all of them
+    cache = persist.DiskCache(tmp_path / "c", max_bytes=max(max(sizes), sum(sizes) // 2))
     k1 = cache.key("(a|b)", CompileOptions(), art)
     assert k1 != cache.key("(a|c)", CompileOptions(), art)
     assert k1 != cache.key("(a|b)", CompileOptions(canonical=False), art)
     assert cache.load(k1, art) is None
-    sizes = []
-    for rx in REGEXES:
-        c = compile_regex(rx, art, CompileOptions(), budgets=CompileBudgets(time_budget_s=60))
-        sizes.append(cache.store(cache.key(rx, CompileOptions(), art), c))
+    for rx, c, size in zip(REGEXES, compiled, sizes):
+        assert cache.store(cache.key(rx, CompileOptions(), art), c) == size
         assert cache.nbytes() <= cache.max_bytes
-    assert all(s > 0 for s in sizes)
     assert sum(sizes) > cache.max_bytes  # the budget forced evictions
+    assert len(list((tmp_path / "c").glob("*.pkl"))) < len(REGEXES)
     assert cache.load(cache.key(REGEXES[-1], CompileOptions(), art), art) is not None  # newest kept
     assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
 

@@ -412,16 +412,7 @@ class _Analysis:
         bf_reject = is_bf & (self.bf_start == -1)
         self.special = valid & ((H.j_of >= 0) | bf_inner | (H.ctx_j >= 0))
         self.regular = valid & ~self.special & ~bf_reject
-        # best witness per (group, lookahead class): the regular token with the lowest estimated ban count
-        reg = np.flatnonzero(self.regular & (tg >= 0) & (H.la_first >= 0))
-        self.best = np.full((G, max(H.L, 1)), -1, dtype=np.int64)
-        if len(reg):
-            o = np.lexsort((H.est_ban[reg], H.la_first[reg], tg[reg]))
-            r = reg[o]
-            key = tg[r].astype(np.int64) * max(H.L, 1) + H.la_first[r]
-            first = np.concatenate([[True], key[1:] != key[:-1]])
-            sel = r[first]
-            self.best[tg[sel], H.la_first[sel]] = sel
+        self.best = self._witness_table()
         # special tokens: list with their group
         self.spec_toks = np.flatnonzero(self.special & (tg >= 0)).astype(np.int64)
         self.spec_group = tg[self.spec_toks]
@@ -452,6 +443,21 @@ class _Analysis:
         if H.acc is None:
             self._ent_ptr, self._ent_cls, self._ent_wide = self._entering_table()
 
+    def _witness_table(self) -> np.ndarray:
+        """``int32[G, L]``: the best witness per (group, lookahead class): the regular token of the group
+        with that first lookahead class and the lowest estimated ban count (-1: none)."""
+        H, tg = self.H, self.M.token_group
+        reg = np.flatnonzero(self.regular & (tg >= 0) & (H.la_first >= 0))
+        best = np.full((self.G, max(H.L, 1)), -1, dtype=np.int32)
+        if len(reg):
+            o = np.lexsort((H.est_ban[reg], H.la_first[reg], tg[reg]))
+            r = reg[o]
+            key = tg[r].astype(np.int64) * max(H.L, 1) + H.la_first[r]
+            first = np.concatenate([[True], key[1:] != key[:-1]])
+            sel = r[first]
+            best[tg[sel], H.la_first[sel]] = sel
+        return best
+
     # memo tables of the analysis itself (rebuilt on demand): not part of the pickled state
     _MEMOS = ("_cache", "_mask_cache", "_row_cache", "_btok", "_grows", "_tok_cache", "_inner_memo", "_bstatic")
 
@@ -467,10 +473,16 @@ class _Analysis:
         state["bad"] = state["_tab"] = state["_tags"] = None
         # the entering classes serve the analysis only (a loaded one decides every class)
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
+        # (V- and G-sized, rebuilt on load; the witness table only when a loaded analysis analyses again)
+        state["tg_shift"] = state["tclass_safe"] = state["_tgt_buf"] = state["best"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        tg = self.M.token_group
+        self.tg_shift = np.where(tg >= 0, tg, self.G).astype(np.int64)
+        self.tclass_safe = np.maximum(self.H.tclass, 0)
+        self._tgt_buf = np.full(self.G + 1, -1, dtype=np.int64)
         full = {}
         for tag, (shape, bits) in self._tag_full.items():
             full[tag] = np.unpackbits(bits, count=int(np.prod(shape))).astype(bool).reshape(shape)
@@ -998,7 +1010,9 @@ class _Analysis:
             base_cand = base_cand & only
         # witness candidates: the best token of each (edge group, lookahead class) whose successor
         # (target state, its class, ALL) is good
-        wc = self.best[gs]  # [E, L]
+        if self.best is None:
+            self.best = self._witness_table()
+        wc = self.best[gs].astype(np.int64)  # [E, L]
         okw = wc >= 0
         tt = self.tag[ts]
         if okw.any() and (tt != 0).any():
@@ -1197,29 +1211,51 @@ class FactoredCanonical:
         self._W = int(H.W)
         self._no_acc = H.acc is None
         self._has_inner = False
-        self._tag_bits = np.zeros((1, max(H.C, 1)), dtype=np.int64)
         # special-token tables: without a byte-fallback acceptor a table depends only on the (groups,
         # successor tags) signature of a regex state, which base_index already numbers (_base_rows): free
         # text shares one table across positions; with one, the targets matter (inner_good): one per state
         self._key_of_s = (np.ascontiguousarray(base_index, dtype=np.int64) if self._no_acc
                           else np.arange(M.num_states, dtype=np.int64))
-        n_keys = (int(self._key_of_s.max()) + 1) if len(self._key_of_s) else 1
-        self._tag_row_arr = np.full(int(an.tag.max(initial=0)) + 1, -1, dtype=np.int64)
-        self._tag_row_arr[0] = 0
         self._spec_static = None  # per special token of the analysis: the state-independent columns
+        self._edges_py = None  # Python lists of M's CSR for next_state (built on first use)
+        self.reset_caches()
+
+    def reset_caches(self) -> None:
+        """Empty the tables filled on demand: the row memo, the special-token tables and the tag rows they
+        read (``_fspec``, ``_tag_bits``). Called at construction, after the explicit enumeration gave up
+        (it filled them for states a decode may never visit) and on unpickling (they are not stored)."""
+        H = self.H
+        self._memo = OrderedDict()
+        self._spec = {}
+        self._tagmask = {}
+        self._has_inner = False
+        self._tag_bits = np.zeros((1, max(H.C, 1)), dtype=np.int64)
+        n_keys = (int(self._key_of_s.max()) + 1) if len(self._key_of_s) else 1
+        self._tag_row_arr = np.full(int(self.an.tag.max(initial=0)) + 1, -1, dtype=np.int64)
+        self._tag_row_arr[0] = 0
         # snapshot, replaced as a whole under the lock: (spec int64[n, 7], key_lo int64[R], key_hi int64[R]
         # (key_lo -1: table not built), inner_cache int64[n_inner, 2], tag_bits int64[n_rows, C])
         self._fspec = (np.zeros((0, 7), np.int64), np.full(n_keys, -1, np.int64), np.full(n_keys, -1, np.int64),
                        np.zeros((1, 2), np.int64), self._tag_bits)
-        self._edges_py = None  # Python lists of M's CSR for next_state (built on first use)
+
+    _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_row_arr", "_fspec")
 
     def __getstate__(self) -> dict:
-        """Pickled state (``compiler/persist.py``) without the kernels' argument tuples and the Python
-        lists of :meth:`successor`: they hold views of per-tokenizer arrays (the filter's CSR,
-        lookahead tables) and are rebuilt on first use after loading."""
+        """Pickled state (``compiler/persist.py``) without the kernels' argument tuples, the Python lists
+        of :meth:`successor` (they hold views of per-tokenizer arrays: the filter's CSR, lookahead tables)
+        and the tables filled on demand (:meth:`reset_caches`); all are rebuilt on first use after
+        loading."""
         state = self.__dict__.copy()
         state["_kstatic"] = state["_kstep"] = state["_edges_py"] = None
+        for name in self._CACHES:
+            del state[name]
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self.reset_caches()
 
     @property
     def nbytes(self) -> int:
@@ -1742,7 +1778,7 @@ def _try_explicit(fc: FactoredCanonical, V: int, eos_ids, max_states: int, max_e
 
 
 def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadline: float, n_char_states: int,
-                        max_product_states: int = 2000, max_explicit_edges: int = 30_000,
+                        max_product_states: int = 256, max_explicit_edges: int = 30_000,
                         stats: dict | None = None) -> CompiledAutomaton:
     """Intersect the token DFA ``M`` (byte policy ``no_ascii_with_piece``) with the canonical filter of
     ``artifacts`` (module docstring).
@@ -1773,6 +1809,8 @@ def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadli
     if exp is not None:
         exp.stats["ms_explicit"] = 1e3 * (time.perf_counter() - t2)
         return exp
+    st["ms_explicit"] = 1e3 * (time.perf_counter() - t2)  # the attempt that found the product too large
+    fc.reset_caches()  # (the attempt's rows and special tables: rebuilt on demand where a decode goes)
     st["mode"] = "factored"
     S = M.num_states
     return CompiledAutomaton(

@@ -34,7 +34,7 @@ class CompileBudgets:
     """Limits of one compilation (see the module docstring). Plain attributes; override per call."""
 
     def __init__(self, max_positions: int = 8000, max_char_states: int = 4000, max_byte_states: int = 100_000,
-                 max_token_states: int = 50_000, max_product_states: int = 2_000, time_budget_s: float = 4.0):
+                 max_token_states: int = 50_000, max_product_states: int = 256, time_budget_s: float = 4.0):
         self.max_positions = max_positions
         self.max_char_states = max_char_states
         self.max_byte_states = max_byte_states
