@@ -163,9 +163,10 @@ def walk_hash(child_ptr, byte_of_cnode, group_of_cnode, table, sources, start, m
 
     Args:
         child_ptr: ``int64[M+1]`` children of class node c are ``child_ptr[c]:child_ptr[c+1]``.
-        byte_of_cnode: ``int32[M]`` a byte of the class of the arc into each node.
+        byte_of_cnode: ``int32[M]`` the column of ``table`` read on the arc into each node.
         group_of_cnode: ``int32[M]`` group ending at each node, -1 if none.
-        table: ``int32[n, 256]`` byte DFA (-1 = reject).
+        table: ``int32[n, K]`` byte DFA by column (-1 = reject): the caller passes one column per byte
+            class (``table[:, rep_byte]``) and the class labels as ``byte_of_cnode``.
         sources: ``int32[n_src]`` byte states.
         start: first source index to walk.
         max_visits: no new source is started once this many trie arcs were tried in this call (the

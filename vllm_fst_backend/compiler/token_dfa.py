@@ -467,8 +467,10 @@ class _FusedWalk:
                  G: int, deadline: float, max_edges: int):
         self.ct = ct
         self.gc = np.ascontiguousarray(group_of_cnode, dtype=np.int32)
-        self.byte_of_cnode = rep_byte[np.maximum(ct.label, 0)].astype(np.int32) if len(rep_byte) else None
-        self.tab = np.ascontiguousarray(table, dtype=np.int32)
+        # the kernels read the byte DFA by byte class: table[:, rep_byte] (n x K, a fraction of n x 256,
+        # so the walk's random reads stay in cache) indexed by each class node's label
+        self.byte_of_cnode = np.maximum(ct.label, 0).astype(np.int32) if len(rep_byte) else None
+        self.tab = np.ascontiguousarray(table[:, rep_byte], dtype=np.int32)
         self.nb = table.shape[0]
         self.deadline = deadline
         self.max_edges = max_edges
