@@ -463,13 +463,14 @@ class _Analysis:
 
     def __getstate__(self) -> dict:
         """Pickled state (``compiler/persist.py``): without the analysis' memo tables, and the bad tables
-        once per distinct table, bit-packed (``bad``, ``_tab`` and ``_tags`` are rebuilt from them on
-        load). A factored JSON-schema automaton pickles to ~1/5 of the size it has with them."""
+        once per distinct table as the flat indices of their bad entries (few: most classes are good);
+        ``bad`` is rebuilt from them on load, ``_tab`` and ``_tags`` when first needed (the engine loading
+        an automaton never needs them)."""
         state = self.__dict__.copy()
         for name in self._MEMOS:
             state[name] = {}
         state["_gmat"] = state["_gbuilt"] = None
-        state["_tag_full"] = {tag: (tab.shape, np.packbits(tab, axis=None)) for tag, tab in self._tag_full.items()}
+        state["_tag_full"] = {tag: (tab.shape, np.flatnonzero(tab).astype(np.int32)) for tag, tab in self._tag_full.items()}
         state["bad"] = state["_tab"] = state["_tags"] = None
         # the entering classes serve the analysis only (a loaded one decides every class)
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
@@ -484,14 +485,20 @@ class _Analysis:
         self.tclass_safe = np.maximum(self.H.tclass, 0)
         self._tgt_buf = np.full(self.G + 1, -1, dtype=np.int64)
         full = {}
-        for tag, (shape, bits) in self._tag_full.items():
-            full[tag] = np.unpackbits(bits, count=int(np.prod(shape))).astype(bool).reshape(shape)
+        for tag, (shape, idx) in self._tag_full.items():
+            tab = np.zeros(shape, dtype=bool)
+            tab.flat[idx] = True
+            full[tag] = tab
         self._tag_full = full
-        self._tags = {tab.tobytes(): tag for tag, tab in full.items()}
-        self._tab = np.zeros((len(full) + 1, self.H.C), dtype=bool)
-        for tag, tab in full.items():
-            self._tab[tag] = tab[0]
         self.bad = [None if t == 0 else full[t] for t in self.tag.tolist()]
+
+    def _tag_index(self) -> None:
+        """Rebuild ``_tags`` (table bytes -> tag) and ``_tab`` (σ=ALL rows per tag) from ``_tag_full``
+        (after loading: they are not pickled)."""
+        self._tags = {tab.tobytes(): tag for tag, tab in self._tag_full.items()}
+        self._tab = np.zeros((max(self._tag_full, default=0) + 64, self.H.C), dtype=bool)
+        for tag, tab in self._tag_full.items():
+            self._tab[tag] = tab[0]
 
     # --- helpers ---------------------------------------------------------------------------------------
 
@@ -821,7 +828,7 @@ class _Analysis:
                 tk = tk[self.regular[tk]]
                 tg = int(self.tag[t])
                 if tg:
-                    tk = tk[~self._tab[tg, self.tclass_safe[tk]]]
+                    tk = tk[~self._tag_table()[tg, self.tclass_safe[tk]]]
                 parts.append(tk)
             got = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
             self._tok_cache[key] = got
@@ -898,6 +905,8 @@ class _Analysis:
     def _tag_table(self) -> np.ndarray:
         """``bool[n_tags + 1, C]``: row ``tag`` = the σ=ALL row of the bad table with that tag (row 0:
         all good). Grown by doubling as tags appear."""
+        if self._tab is None:
+            self._tag_index()
         return self._tab[: len(self._tags) + 1]
 
     def specials_of(self, s: int):
@@ -1088,6 +1097,8 @@ class _Analysis:
             return False
         if table is not None and old is not None and np.array_equal(table, old):
             return False
+        if self._tags is None:
+            self._tag_index()
         self.bad[s] = table
         if table is None:
             self.tag[s] = 0
