@@ -1240,7 +1240,9 @@ class FactoredCanonical:
         self._spec = {}
         self._tagmask = {}
         self._has_inner = False
-        self._tag_bits = np.zeros((1, max(H.C, 1)), dtype=np.int64)
+        self._tag_bits = np.zeros((1, max(H.C, 1)), dtype=np.int64)  # a view of _tag_buf (rows appended)
+        self._tag_buf = self._tag_bits
+        self._spec_buf = np.zeros((0, 7), np.int64)  # spec rows of every built table (the snapshot: a view)
         n_keys = (int(self._key_of_s.max()) + 1) if len(self._key_of_s) else 1
         self._tag_row_arr = np.full(int(self.an.tag.max(initial=0)) + 1, -1, dtype=np.int64)
         self._tag_row_arr[0] = 0
@@ -1249,7 +1251,7 @@ class FactoredCanonical:
         self._fspec = (np.zeros((0, 7), np.int64), np.full(n_keys, -1, np.int64), np.full(n_keys, -1, np.int64),
                        np.zeros((1, 2), np.int64), self._tag_bits)
 
-    _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_row_arr", "_fspec")
+    _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_buf", "_spec_buf", "_tag_row_arr", "_fspec")
 
     def __getstate__(self) -> dict:
         """Pickled state (``compiler/persist.py``) without the kernels' argument tuples, the Python lists
@@ -1441,8 +1443,11 @@ class FactoredCanonical:
                 icache = np.concatenate([icache, np.zeros((len(inner), 2), dtype=np.int64)])
                 self._has_inner = True
             key_lo, key_hi = key_lo.copy(), key_hi.copy()
-            key_lo[key], key_hi[key] = len(spec_all), len(spec_all) + len(spec)
-            spec_all = np.concatenate([spec_all, spec]) if len(spec) else spec_all
+            n0 = len(spec_all)
+            key_lo[key], key_hi[key] = n0, n0 + len(spec)
+            if len(spec):
+                self._spec_buf = _append_rows(self._spec_buf, n0, spec)
+                spec_all = self._spec_buf[: n0 + len(spec)]
             self._fspec = (spec_all, key_lo, key_hi, icache, self._tag_bits)
 
     def _spec_static_init(self) -> np.ndarray:
@@ -1483,7 +1488,8 @@ class FactoredCanonical:
                 if new:
                     rows = [self._tag_sigma_mask(tg, int(tgts[np.flatnonzero(tags == tg)[0]])) for tg in new]
                     n0 = len(self._tag_bits)
-                    self._tag_bits = np.concatenate([self._tag_bits, np.stack(rows)])
+                    self._tag_buf = _append_rows(self._tag_buf, n0, np.stack(rows))
+                    self._tag_bits = self._tag_buf[: n0 + len(rows)]
                     tra[new] = n0 + np.arange(len(new))  # (after the table holds the rows)
         return tra[tags]
 
@@ -1705,6 +1711,19 @@ class FactoredCanonical:
             return -1
         w = int(np.flatnonzero(row)[0])
         return w * 32 + (int(np.uint32(row[w].view(np.uint32))).bit_length() - 1)
+
+
+def _append_rows(buf: np.ndarray, n: int, rows: np.ndarray) -> np.ndarray:
+    """Write ``rows`` after the first ``n`` rows of ``buf`` (2-D), in place when the capacity allows, else
+    into a buffer of twice the size (amortized O(1) per row). Rows below ``n`` are never written, so
+    views of them published earlier (snapshots read by other threads' kernels) stay valid."""
+    need = n + len(rows)
+    if need > buf.shape[0]:
+        grown = np.empty((max(2 * buf.shape[0], need, 16), buf.shape[1]), dtype=buf.dtype)
+        grown[:n] = buf[:n]
+        buf = grown
+    buf[n:need] = rows
+    return buf
 
 
 def _base_rows(an: _Analysis) -> tuple[np.ndarray, np.ndarray]:
