@@ -575,19 +575,29 @@ def _analysis_pair(arts, regex: str, monkeypatch):
     return cp, out[0], out[1]
 
 
-@pytest.mark.parametrize("name, regex", [
-    ("smollm2", _JSON_LIKE), ("smollm2", _POKEDEX_LIKE), ("smollm2", r'"[^"\\]{0,20}", "[a-z]{1,6}"'),
-    ("smollm2", r"(yes|no|maybe)[.!]?"), ("tekken", r'\{"a": "[a-z ]{0,6}"(, "b": [0-9]{1,2})?\}'),
+@pytest.mark.parametrize("name, regex, max_pairs", [
+    ("smollm2", _JSON_LIKE, None), ("smollm2", _POKEDEX_LIKE, None), ("smollm2", _POKEDEX_LIKE, 3000),
+    ("smollm2", r'"[^"\\]{0,20}", "[a-z]{1,6}"', None), ("smollm2", r"(yes|no|maybe)[.!]?", None),
+    ("tekken", r'\{"a": "[a-z ]{0,6}"(, "b": [0-9]{1,2})?\}', None),
 ])
-def test_deadend_entering_classes_exact(fst_artifacts, monkeypatch, name, regex):
+def test_deadend_entering_classes_exact(fst_artifacts, monkeypatch, name, regex, max_pairs):
     """The analysis decides each state only for the classes a token can enter it with
     (``_Analysis.entering_classes``): its bad tables equal the analysis over every class on those classes
     (the only ones any reader uses), for every regex state; and the factored automata built from both
-    give the same rows and successors on random walks."""
+    give the same rows and successors on random walks. With a small pair budget (``max_pairs``) the
+    widest of the other states fall back to every class, and the result is the same."""
     import vllm_fst_backend.compiler.canonical_product as cp
 
     arts = fst_artifacts(name)
+    if max_pairs is not None:
+        monkeypatch.setattr(cp._Analysis, "_ENTERING_MAX_PAIRS", max_pairs)
     _, fast, _ = _analysis_pair(arts, regex, monkeypatch)
+    if max_pairs is not None:  # the budget made some states wide that the token bound alone would not
+        M = fast.M
+        n_in = np.bincount(M.edge_next, weights=fast.g_size[M.edge_group], minlength=M.num_states)
+        capped = [s for s in range(M.num_states)
+                  if fast.entering_classes(s) is None and n_in[s] <= fast._ENTERING_MAX_TOKENS]
+        assert capped, regex
     monkeypatch.setattr(cp._Analysis, "_ENTERING_MAX_TOKENS", -1)  # every state "wide": all classes
     full = cp._Analysis(fast.M, fast.H, time.perf_counter() + 300, fast.n_char_states)
     full.run(fast.n_char_states)

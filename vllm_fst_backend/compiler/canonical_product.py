@@ -952,12 +952,13 @@ class _Analysis:
     # --- one state -------------------------------------------------------------------------------------
 
     _ENTERING_MAX_TOKENS = 4096  # states entered by more tokens are analysed for every class
+    _ENTERING_MAX_PAIRS = 1 << 22  # (state, class) pairs computed per compile at most
 
     def _entering_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """CSR ``(ptr int64[S+1], classes int64[n])`` of :meth:`entering_classes` for every state, and
-        ``wide: bool[S]`` -- the states entered by more than ``_ENTERING_MAX_TOKENS`` tokens (all classes,
-        empty in the CSR). Vectorized: the classes of each group once, then their union over the edges into
-        each state."""
+        ``wide: bool[S]`` -- the states entered by more than ``_ENTERING_MAX_TOKENS`` tokens, and the widest
+        others beyond ``_ENTERING_MAX_PAIRS`` (state, class) pairs in all (all classes, empty in the CSR).
+        Vectorized: the classes of each group once, then their union over the edges into each state."""
         M, H = self.M, self.H
         S, C = M.num_states, H.C
         # the classes of each group's tokens (context-dependent tokens: every class they can reach;
@@ -979,9 +980,15 @@ class _Analysis:
         en = M.edge_next.astype(np.int64)
         n_in = np.bincount(en, weights=self.g_size[M.edge_group], minlength=S)
         wide = n_in > self._ENTERING_MAX_TOKENS
+        n_cls = gc_ptr[M.edge_group + 1] - gc_ptr[M.edge_group]  # (edge, class) pairs of each edge
+        pairs = np.bincount(en, weights=n_cls, minlength=S) * ~wide
+        if pairs.sum() > self._ENTERING_MAX_PAIRS:  # bounded work: the narrowest states first
+            order = np.argsort(pairs, kind="stable")
+            over = np.cumsum(pairs[order]) > self._ENTERING_MAX_PAIRS
+            wide[order[over]] = True
         sel = np.flatnonzero(~wide[en])
         eg = M.edge_group[sel]
-        reps = gc_ptr[eg + 1] - gc_ptr[eg]
+        reps = n_cls[sel]
         offs = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps)
         uk = np.unique(np.repeat(en[sel], reps) * C + g_cls[np.repeat(gc_ptr[eg], reps) + offs])
         ptr = np.zeros(S + 1, dtype=np.int64)
