@@ -431,9 +431,7 @@ class _Analysis:
         self._gbuilt = None
         self._tok_cache: dict = {}
         self.g_size = np.diff(self.g_ptr)
-        self._tgt_buf = np.full(G + 1, -1, dtype=np.int64)
-        self.tg_shift = np.where(tg >= 0, tg, G).astype(np.int64)  # -1 -> G (always -1 target)
-        self.tclass_safe = np.maximum(H.tclass, 0)
+        self._derived_arrays()
         self._cache: dict = {}
         self._inner_memo: dict = {}
         self._bstatic: dict = {}
@@ -442,6 +440,15 @@ class _Analysis:
         self._ent_ptr = self._ent_cls = self._ent_wide = None
         if H.acc is None:
             self._ent_ptr, self._ent_cls, self._ent_wide = self._entering_table()
+
+    def _derived_arrays(self) -> None:
+        """The V- and G-sized arrays derived from M and H (built at construction and on load: not pickled):
+        ``tg_shift`` (group of each token, -1 -> G: always the -1 target), ``tclass_safe`` (class, -1 -> 0)
+        and the scratch ``_tgt_buf``."""
+        tg = self.M.token_group
+        self.tg_shift = np.where(tg >= 0, tg, self.G).astype(np.int64)
+        self.tclass_safe = np.maximum(self.H.tclass, 0)
+        self._tgt_buf = np.full(self.G + 1, -1, dtype=np.int64)
 
     def _witness_table(self) -> np.ndarray:
         """``int32[G, L]``: the best witness per (group, lookahead class): the regular token of the group
@@ -480,10 +487,7 @@ class _Analysis:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        tg = self.M.token_group
-        self.tg_shift = np.where(tg >= 0, tg, self.G).astype(np.int64)
-        self.tclass_safe = np.maximum(self.H.tclass, 0)
-        self._tgt_buf = np.full(self.G + 1, -1, dtype=np.int64)
+        self._derived_arrays()
         full = {}
         for tag, (shape, idx) in self._tag_full.items():
             tab = np.zeros(shape, dtype=bool)
