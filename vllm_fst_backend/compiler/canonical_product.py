@@ -125,10 +125,7 @@ class CanonHelper:
         self.START = self.C
         self.tclass = np.asarray(cf.token_class, dtype=np.int32)
         self.bt = _banned_transposed(cf, self.V, self.W, self.C)  # int32[W, C]: word-major banned bits
-        # the stored CSR of the banned sets (row k is contiguous: FactoredCanonical's row kernel reads it)
-        ptr = getattr(cf, "banned_ptr", None)
-        self.banned_ptr = np.asarray(ptr, dtype=np.int64) if ptr is not None else np.zeros(0, np.int64)
-        self.banned_ids = np.asarray(cf.banned_ids) if ptr is not None else np.zeros(0, np.uint16)
+        self._attach_filter(cf)
         self.start_row = np.asarray(cf.start_row, dtype=np.int32)
         self.la_first = np.asarray(cf.la_first).astype(np.int64)
         self.L = int(cf.n_lookahead)
@@ -206,6 +203,36 @@ class CanonHelper:
             row = self.ctx_classes[j2]
             self.cls_boundary[row[row >= 0]] = True
             self.cls_mid[row[row >= 0]] = True
+
+    def _attach_filter(self, cf) -> None:
+        """Views of the filter's own arrays (not stored by :mod:`.table_store`): the CSR of the banned
+        sets (row k is contiguous: FactoredCanonical's row kernel reads it)."""
+        ptr = getattr(cf, "banned_ptr", None)
+        self.banned_ptr = np.asarray(ptr, dtype=np.int64) if ptr is not None else np.zeros(0, np.int64)
+        self.banned_ids = np.asarray(cf.banned_ids) if ptr is not None else np.zeros(0, np.uint16)
+
+    def table_state(self) -> tuple[dict, dict]:
+        """``(scalars, arrays)``: the helper's own tables for :mod:`.table_store` (JSON-serializable
+        scalars; numpy arrays), without the filter's arrays and without private per-process caches."""
+        scalars, arrays = {}, {}
+        for k, v in self.__dict__.items():
+            if k.startswith("_") or k in ("banned_ptr", "banned_ids"):
+                continue
+            if isinstance(v, np.ndarray):
+                arrays[k] = v
+            else:
+                scalars[k] = v
+        return scalars, arrays
+
+    @classmethod
+    def from_tables(cls, cf, scalars: dict, arrays: dict) -> "CanonHelper":
+        """Inverse of :meth:`table_state` for the filter ``cf`` (arrays may be read-only-by-convention
+        memory maps: nothing writes into a helper after construction)."""
+        h = cls.__new__(cls)
+        h.__dict__.update(scalars)
+        h.__dict__.update(arrays)
+        h._attach_filter(cf)
+        return h
 
     def next_cls(self, k, v: int):
         """Class reached by token ``v`` from class(es) ``k`` (int or int array; START = C)."""
@@ -299,11 +326,21 @@ _HELPER_LOCK = threading.Lock()
 
 
 def canonical_helper(artifacts, trie) -> CanonHelper:
-    """The cached :class:`CanonHelper` of ``artifacts`` (built on first use: ~0.1–0.5 s)."""
+    """The cached :class:`CanonHelper` of ``artifacts``: on first use in a process mapped from the host's
+    table store (:mod:`.table_store`, a few ms) or built there (0.4 s for SmolLM2, ~8 s for Tekken) and
+    stored for the host's other processes. Artifacts without a manifest and fingerprint (in-memory test
+    objects) are always built in-process."""
     with _HELPER_LOCK:
         h = getattr(artifacts, "_fst_canon_helper", None)
         if h is None:
-            h = CanonHelper(artifacts.canonical, trie)
+            cf = artifacts.canonical
+            if isinstance(getattr(artifacts, "manifest", None), dict) and getattr(artifacts, "fingerprint", None):
+                from .table_store import load_or_build
+
+                (scalars, arrays), _ = load_or_build("canon", artifacts, lambda: CanonHelper(cf, trie).table_state())
+                h = CanonHelper.from_tables(cf, scalars, arrays)
+            else:
+                h = CanonHelper(cf, trie)
             try:
                 setattr(artifacts, "_fst_canon_helper", h)
             except AttributeError:

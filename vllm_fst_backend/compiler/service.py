@@ -12,7 +12,9 @@ requests one at a time each:
   margin (``deadline_margin_s``); a child still busy then is killed and the request fails with
   :class:`~vllm_fst_backend.errors.CompileBudgetError` naming the budget (the compiler checks its own
   deadline in every long loop, so this only catches stages that cannot be interrupted);
-* the child's resident memory is sampled every 20 ms; over its resident size at start-up plus
+* the child's private resident memory (resident less file-backed and shared pages, so the mapped
+  per-tokenizer tables of :mod:`.table_store` do not count) is sampled every 20 ms; over its private
+  size at start-up plus
   ``memory_budget_bytes`` it is killed and the request fails with
   :class:`~vllm_fst_backend.errors.CompileMemoryError` naming the budget and ``VLLM_FST_COMPILE_MEMORY_MB``;
 * a killed or crashed child is replaced by a fresh one (the next request waits for its start-up);
@@ -91,10 +93,14 @@ def memory_budget_from_env() -> int:
     return int(mb * (1 << 20))
 
 
-def _rss_bytes(pid: int) -> int:
+def _private_bytes(pid: int) -> int:
+    """Resident bytes of ``pid`` that are not file-backed or shared (``/proc/<pid>/statm``: resident -
+    shared): what a compile allocates. Pages of mapped files (the shared tables, the artifacts) can be
+    dropped by the kernel and are held once per host, so they do not count. 0 if unreadable."""
     try:
         with open(f"/proc/{pid}/statm", "rb") as fh:
-            return int(fh.read().split()[1]) * _PAGE
+            f = fh.read().split()
+        return max(int(f[1]) - int(f[2]), 0) * _PAGE
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -161,7 +167,7 @@ class _Worker:
         if not (isinstance(msg, tuple) and msg and msg[0] == "ready"):
             self.kill()
             raise CompileServiceError(f"compile process did not start: {msg!r}")
-        self.baseline = _rss_bytes(self.proc.pid)
+        self.baseline = _private_bytes(self.proc.pid)
         self.ready = True
 
     def _wait(self, deadline: float, mem_limit: int | None, what: str) -> Any:
@@ -180,7 +186,7 @@ class _Worker:
                     rc = self.proc.poll()
                     self.kill()
                     raise CompileServiceError(f"compile process died during {what} (exit {rc}): {e}") from None
-            if mem_limit is not None and _rss_bytes(self.proc.pid) > mem_limit:
+            if mem_limit is not None and _private_bytes(self.proc.pid) > mem_limit:
                 self.kill()
                 raise MemoryError(what)
             if self.proc.poll() is not None:
@@ -365,7 +371,7 @@ class CompileService:
             self._release(None if not w.alive() else w, cost)
             raise
         # a child that kept memory from this request beyond the budget is replaced
-        if _rss_bytes(w.proc.pid) > w.baseline + self.memory_budget:
+        if _private_bytes(w.proc.pid) > w.baseline + self.memory_budget:
             w.kill()
         self._release(w, cost)
         if reply[0] == "ok":
