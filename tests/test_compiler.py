@@ -673,9 +673,38 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
             sel = (H.tclass[toks] >= 0) & (lf >= 0) & H.sigma_la[sig][np.maximum(lf, 0)]
             vt, vg = toks[sel], tgts[sel]
             idx = np.arange(len(k_arr))
-            fast._pairs_clear(k_arr, idx, sig, vt, vg, H.j_of[vt], o1)
-            fast._pairs_clear_numpy(k_arr, idx, sig, vt, vg, H.j_of[vt], o2)
+            jw = H.j_of[vt]
+            fast._pairs_clear_numpy(k_arr, idx, sig, vt, vg, jw, o2)
+            cg = H.class_group[k_arr]
+            groups = np.unique(cg)
+            k_u = np.searchsorted(groups, cg).astype(np.int64)
+            # every token, then without the ones acting like regular tokens in each class's group
+            dj_all = np.full(len(vt), -1, dtype=np.int64)
+            fast._pairs_clear(k_arr, k_u, groups, sig, vt, vg, jw, dj_all, o1)
             assert np.array_equal(o1, o2), (regex, s, sig)
+            dj = np.where((jw < 0) & (H.ctx_j[vt] >= 0), H.ctx_j[vt], -1)
+            outs = []
+            for use in (True, False):
+                fast.use_kernels = use
+                o = np.zeros(len(k_arr), dtype=bool)
+                fast._pairs_clear(k_arr, k_u, groups, sig, vt, vg, jw, dj, o)
+                outs.append(o)
+            fast.use_kernels = True
+            assert np.array_equal(outs[0], outs[1]), (regex, s, sig)
+            assert not (outs[0] & ~o2).any()  # (a subset of the tokens clears a subset of the classes)
+            # the regular-like tokens: the kernel against packed rows per group (allows_some_numpy)
+            good = rng.random(len(vt)) < 0.7
+            o3 = np.zeros(len(k_arr), dtype=bool)
+            cache = __import__("vllm_fst_backend.compiler.kernels", fromlist=["x"])
+            cache.grouped_allows_some(H.bt, vt.astype(np.int64), dj, good, H.ctx_default, groups.astype(np.int64),
+                                      k_arr, k_u, o3)
+            o4 = np.zeros(len(k_arr), dtype=bool)
+            for u, g in enumerate(groups.tolist()):
+                w = vt[(dj >= 0) & good & H.ctx_default[np.maximum(dj, 0), g]]
+                in_g = np.flatnonzero(k_u == u)
+                if len(w):
+                    o4[in_g] = H.allows_some_numpy(cp._pack_ids(w, H.W), k_arr[in_g])
+            assert np.array_equal(o3, o4), (regex, s, sig)
         if H.acc is not None:
             for a in range(1, H.acc.shape[0]):
                 for k in k_arr[:2].tolist():

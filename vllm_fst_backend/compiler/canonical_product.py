@@ -106,6 +106,9 @@ class CanonHelper:
         tclass: ``int32[V]``; banned: ``int32[C, W]``; start_row: ``int32[W]``;
         la_first: ``int64[V]``; j_of: ``int64[V]`` (whitespace-final index or -1);
         sigmas: list of the nσ distinct non-empty lookahead sets (ints), ``ALL`` first;
+        ctx_default: ``bool[n_ctx, n_groups]`` -- context-dependent token j reaches its own class in
+        context group g (all False when an index serves several tokens: they are then all tested
+        token by token, which is always exact);
         la_sets_idx: ``int64[C+1, J]`` -- index into ``sigmas`` of ``la_sets`` (-1 = empty set);
         sigma_rows: ``int32[nσ, W]`` -- tokens whose first character's lookahead class is in the set;
         sigma_la: ``bool[nσ, L]``; sigma_end: ``bool[nσ]``;
@@ -137,6 +140,16 @@ class CanonHelper:
         self.ctx_j = np.asarray(ctx).astype(np.int64) if ctx is not None else np.full(self.V, -1, np.int64)
         self.class_group = np.asarray(cf.class_group).astype(np.int64) if ctx is not None else np.zeros(self.C + 1, np.int64)
         self.ctx_classes = np.asarray(cf.ctx_classes).astype(np.int64) if ctx is not None else np.zeros((0, 1), np.int64)
+        # ctx_default[j, g]: the context-dependent token of index j reaches its own class (tclass) in
+        # context group g, i.e. acts there like a regular token (None if an index serves several tokens)
+        has = np.flatnonzero(self.ctx_j >= 0)
+        n_grp = max(int(self.class_group.max()) + 1 if len(self.class_group) else 1, self.ctx_classes.shape[1])
+        self.ctx_default = np.zeros((max(self.ctx_classes.shape[0], 1), n_grp), dtype=bool)
+        if len(has) and len(np.unique(self.ctx_j[has])) == len(has):
+            tok_of_j = np.zeros(self.ctx_classes.shape[0], dtype=np.int64)
+            tok_of_j[self.ctx_j[has]] = has
+            self.ctx_default[: len(tok_of_j), : self.ctx_classes.shape[1]] = (
+                self.ctx_classes == self.tclass[tok_of_j].astype(np.int64)[:, None])
         la_sets = np.asarray(cf.la_sets).astype(np.uint64)
         vals = sorted(set(int(x) for x in np.unique(la_sets)) - {0, self.ALL})
         self.sigmas = [self.ALL] + vals
@@ -622,17 +635,20 @@ class _Analysis:
                 order = np.argsort(cg, kind="stable")
                 ends = np.cumsum(cnt[groups])
                 members = np.split(order, ends[:-1])
-            c = np.flatnonzero(ctx_only)
-            same = H.ctx_classes[H.ctx_j[vt[c]]][:, groups] == H.tclass[vt[c]][:, None]  # [len(c), groups]
-            for u in range(len(groups)):
-                in_g = members[u]
-                regular_like = np.zeros(len(vt), dtype=bool)
-                regular_like[c] = same[:, u]
-                w = vt[regular_like & good_t]
-                if len(w):
-                    out[in_g[self._allows_some(_pack_ids(w, H.W), k_arr[in_g])]] = True
-                rest = ~regular_like
-                self._pairs_clear(k_arr, in_g, sig, vt[rest], vg[rest], jw[rest], out)
+            dj = np.where(ctx_only, H.ctx_j[vt], -1)  # (-1: not a candidate for the regular-like test)
+            k_u = np.searchsorted(groups, cg).astype(np.int64)  # each class's group, as an index of groups
+            if self.use_kernels:  # every group in one call: regular-like tokens, then the others
+                _kernels().grouped_allows_some(H.bt, np.ascontiguousarray(vt, dtype=np.int64), dj, good_t,
+                                               H.ctx_default, groups, np.ascontiguousarray(k_arr, dtype=np.int64),
+                                               k_u, out)
+            else:
+                c = np.flatnonzero(ctx_only)
+                for u in range(len(groups)):
+                    w = vt[c[H.ctx_default[dj[c], groups[u]] & good_t[c]]]
+                    if len(w):
+                        in_g = members[u]
+                        out[in_g[self._allows_some(_pack_ids(w, H.W), k_arr[in_g])]] = True
+            self._pairs_clear(k_arr, k_u, groups, sig, vt, vg, jw, dj, out)
         for v, t in zip(toks[inner].tolist(), tgts[inner].tolist()):
             idx = np.flatnonzero(~out)
             if not len(idx):
@@ -644,17 +660,23 @@ class _Analysis:
         H = self.H
         return H.allows_some(row, k_arr) if self.use_kernels else H.allows_some_numpy(row, k_arr)
 
-    def _pairs_clear(self, k_arr: np.ndarray, idx: np.ndarray, sig: int, vt: np.ndarray, vg: np.ndarray,
-                     jw: np.ndarray, out: np.ndarray) -> None:
-        """The per-pair path of :meth:`specials_clear` for the classes ``k_arr[idx]`` not yet cleared
-        in ``out`` (set in place): tokens ``vt`` (→ regex states ``vg``, lookahead-token indices ``jw``)
-        × classes. Numba kernel :func:`.kernels.pairs_clear` (per class, tokens in order until a good
-        one), with the bad tables of the tokens' targets stacked per distinct tag."""
+    def _pairs_clear(self, k_arr: np.ndarray, k_u: np.ndarray, groups: np.ndarray, sig: int, vt: np.ndarray,
+                     vg: np.ndarray, jw: np.ndarray, dj: np.ndarray, out: np.ndarray) -> None:
+        """The per-pair path of :meth:`specials_clear` for the classes of ``k_arr`` not yet cleared in
+        ``out`` (set in place; class i in context group ``groups[k_u[i]]``): tokens ``vt`` (→ regex states
+        ``vg``, lookahead-token indices ``jw``) × classes, except the tokens that act like regular ones in
+        the class's group (``dj``: their ``ctx_j``, else -1; ``CanonHelper.ctx_default``). Numba kernel
+        :func:`.kernels.pairs_clear` (per class, tokens in order until a good one), with the bad tables
+        of the tokens' targets stacked per distinct tag."""
+        H = self.H
         if not self.use_kernels:
-            return self._pairs_clear_numpy(k_arr, idx, sig, vt, vg, jw, out)
-        if not len(vt) or not len(idx):
+            for u in range(len(groups)):
+                sel = ~((dj >= 0) & H.ctx_default[np.maximum(dj, 0), groups[u]])
+                self._pairs_clear_numpy(k_arr, np.flatnonzero(k_u == u), sig, vt[sel], vg[sel], jw[sel], out)
             return
-        live = idx[~out[idx]]
+        if not len(vt) or not len(k_arr):
+            return
+        live = np.flatnonzero(~out)
         if not len(live):
             return
         H = self.H
@@ -675,7 +697,7 @@ class _Analysis:
         sub = np.zeros(len(live), dtype=bool)
         _kernels().pairs_clear(H.bt, H.tclass, H.ctx_j, H.ctx_classes, H.class_group, H.la_sets_idx, tabs, tab_of,
                                np.ascontiguousarray(vt, dtype=np.int64), np.ascontiguousarray(jw, dtype=np.int64),
-                               np.ascontiguousarray(k_arr[live], dtype=np.int64), sub)
+                               np.ascontiguousarray(k_arr[live], dtype=np.int64), dj, H.ctx_default, sub)
         out[live[sub]] = True
 
     def _pairs_clear_numpy(self, k_arr: np.ndarray, idx: np.ndarray, sig: int, vt: np.ndarray, vg: np.ndarray,

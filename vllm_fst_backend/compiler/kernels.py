@@ -39,7 +39,7 @@ import numpy as np
 
 __all__ = [
     "class_trie", "walk_hash", "prune_trie", "walk_emit", "unique_states", "finish",
-    "canon_row", "canon_step", "allows_some", "pairs_clear", "warm_up",
+    "canon_row", "canon_step", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -681,7 +681,56 @@ def allows_some(bt, row, words, k_arr, out):
 
 
 @_jit
-def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, tab_of, vt, jw, kk, out):
+def grouped_allows_some(bt, toks, dflt_j, good, ctx_default, groups, k_arr, k_u, out):
+    """Dead-end analysis, the regular-like special tokens (:meth:`.canonical_product._Analysis.
+    specials_clear`): set ``out[i]`` when class ``k_arr[i]`` (context group ``groups[k_u[i]]``) bans
+    not every token ``toks[j]`` that acts like a regular token in that group with a good successor:
+    ``good[j]`` and ``dflt_j[j] >= 0`` and ``ctx_default[dflt_j[j], group]`` (``toks``: ``int64[n]``;
+    ``dflt_j``: the token's ``ctx_j`` or -1; ``bt``: word-major banned bits ``int32[W, C]``). Per group,
+    those tokens as a packed row, then :func:`allows_some`'s loop over the group's classes not yet set."""
+    n = toks.shape[0]
+    W = bt.shape[0]
+    row = np.zeros(W, np.int32)
+    words = np.empty(W, np.int64)
+    for u in range(groups.shape[0]):
+        g = groups[u]
+        m = 0
+        for j in range(n):
+            if good[j] and dflt_j[j] >= 0 and ctx_default[dflt_j[j], g]:
+                t = toks[j]
+                w = t >> 5
+                if row[w] == 0:
+                    words[m] = w
+                    m += 1
+                row[w] |= np.int32(1) << np.int32(t & 31)
+        if m > 0:
+            rem = np.empty(k_arr.shape[0], np.int64)
+            nrem = 0
+            for i in range(k_arr.shape[0]):
+                if k_u[i] == u and not out[i]:
+                    rem[nrem] = i
+                    nrem += 1
+            for wi in range(m):
+                if nrem == 0:
+                    break
+                w = words[wi]
+                rw = row[w]
+                j2 = 0
+                for r in range(nrem):
+                    i = rem[r]
+                    if ((~bt[w, k_arr[i]]) & rw) != 0:
+                        out[i] = True
+                    else:
+                        rem[j2] = i
+                        j2 += 1
+                nrem = j2
+            for wi in range(m):
+                row[words[wi]] = 0
+
+
+@_jit
+def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, tab_of, vt, jw, kk, dflt_j, ctx_default,
+                out):
     """Dead-end analysis, the per-pair path of special tokens (:meth:`.canonical_product._Analysis.
     _pairs_clear`): for each class ``kk[i]`` with ``out[i]`` unset, set it when some token ``vt[r]`` is
     not banned after the class (``bt``: word-major banned bits ``int32[W, C]``) and its successor is
@@ -689,7 +738,9 @@ def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, 
     -1 = empty set: never good) else 0 (ALL); class reached ``tclass[v]``, or
     ``ctx_classes[ctx_j[v], class_group[k]]`` for context-dependent tokens (negative indices wrap like
     numpy's); good unless ``tabs[tab_of[r], σ, class]`` (``tab_of[r] < 0``: the target's table is all
-    good). Tokens in the given order (likely witnesses first), stopping at the first good one."""
+    good). Tokens that act like regular tokens in the class's context group (``dflt_j[r] >= 0`` and
+    ``ctx_default[dflt_j[r], class_group[k]]``: :func:`grouped_allows_some` tests them) are skipped.
+    Tokens in the given order (likely witnesses first), stopping at the first good one."""
     C = bt.shape[1]
     for i in range(kk.shape[0]):
         if out[i]:
@@ -697,6 +748,8 @@ def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, 
         k = kk[i]
         g = class_group[k]
         for r in range(vt.shape[0]):
+            if dflt_j[r] >= 0 and ctx_default[dflt_j[r], g]:
+                continue
             v = vt[r]
             if (bt[v >> 5, k] >> (v & 31)) & 1:
                 continue
@@ -740,9 +793,11 @@ def warm_up() -> None:
         unique_states(i64, 1)
         finish(i64, i64, i64, np.ones(1, bool), 1)
         allows_some(np.zeros((1, 1), np.int32), i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
+        grouped_allows_some(np.zeros((1, 1), np.int32), i64[:1], i64[:1], np.ones(1, np.bool_),
+                            np.ones((1, 1), np.bool_), i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         pairs_clear(np.zeros((1, 1), np.int32), i32[:1], i64[:1], np.zeros((1, 1), np.int64), i64[:1],
                     np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.bool_), i64[:1], i64[:1], i64[:1], i64[:1],
-                    np.zeros(1, np.bool_))
+                    i64[:1], np.ones((1, 1), np.bool_), np.zeros(1, np.bool_))
         u = np.zeros(1, np.uint32)
         u2 = np.zeros((1, 1), np.uint32)
         b1 = np.ones(1, np.bool_)
