@@ -681,51 +681,66 @@ def allows_some(bt, row, words, k_arr, out):
 
 
 @_jit
-def grouped_allows_some(bt, toks, dflt_j, good, ctx_default, groups, k_arr, k_u, out):
+def grouped_allows_some(bt, row, words, nd_ptr, nd_tok, groups, k_arr, k_u, out):
     """Dead-end analysis, the regular-like special tokens (:meth:`.canonical_product._Analysis.
-    specials_clear`): set ``out[i]`` when class ``k_arr[i]`` (context group ``groups[k_u[i]]``) bans
-    not every token ``toks[j]`` that acts like a regular token in that group with a good successor:
-    ``good[j]`` and ``dflt_j[j] >= 0`` and ``ctx_default[dflt_j[j], group]`` (``toks``: ``int64[n]``;
-    ``dflt_j``: the token's ``ctx_j`` or -1; ``bt``: word-major banned bits ``int32[W, C]``). Per group,
-    those tokens as a packed row, then :func:`allows_some`'s loop over the group's classes not yet set."""
-    n = toks.shape[0]
-    W = bt.shape[0]
-    row = np.zeros(W, np.int32)
-    words = np.empty(W, np.int64)
-    for u in range(groups.shape[0]):
+    specials_clear`): set ``out[i]`` when class ``k_arr[i]`` (context group ``g = groups[k_u[i]]``) bans
+    not every token of ``row`` less the tokens ``nd_tok[nd_ptr[g]:nd_ptr[g + 1]]`` (those that do not
+    act like regular tokens in group g). ``row``: ``int32[W]`` bit row of the candidate tokens (changed
+    during the call and restored), ``words``: its nonzero words; ``bt``: word-major banned bits
+    ``int32[W, C]``. Per group: clear the group's exceptions in ``row``, then :func:`allows_some`'s loop
+    over the group's classes not yet set, then restore ``row``."""
+    U = groups.shape[0]
+    n = k_arr.shape[0]
+    cleared = np.empty(nd_tok.shape[0] + 1, np.int64)
+    rem = np.empty(n, np.int64)
+    # the classes bucketed by group (counting sort)
+    start = np.zeros(U + 1, np.int64)
+    for i in range(n):
+        start[k_u[i] + 1] += 1
+    for u in range(U):
+        start[u + 1] += start[u]
+    fill = start[:U].copy()
+    by_u = np.empty(n, np.int64)
+    for i in range(n):
+        by_u[fill[k_u[i]]] = i
+        fill[k_u[i]] += 1
+    for u in range(U):
         g = groups[u]
-        m = 0
-        for j in range(n):
-            if good[j] and dflt_j[j] >= 0 and ctx_default[dflt_j[j], g]:
-                t = toks[j]
-                w = t >> 5
-                if row[w] == 0:
-                    words[m] = w
-                    m += 1
-                row[w] |= np.int32(1) << np.int32(t & 31)
-        if m > 0:
-            rem = np.empty(k_arr.shape[0], np.int64)
-            nrem = 0
-            for i in range(k_arr.shape[0]):
-                if k_u[i] == u and not out[i]:
-                    rem[nrem] = i
-                    nrem += 1
-            for wi in range(m):
-                if nrem == 0:
-                    break
-                w = words[wi]
-                rw = row[w]
-                j2 = 0
-                for r in range(nrem):
-                    i = rem[r]
-                    if ((~bt[w, k_arr[i]]) & rw) != 0:
-                        out[i] = True
-                    else:
-                        rem[j2] = i
-                        j2 += 1
-                nrem = j2
-            for wi in range(m):
-                row[words[wi]] = 0
+        nrem = 0
+        for x in range(start[u], start[u + 1]):
+            i = by_u[x]
+            if not out[i]:
+                rem[nrem] = i
+                nrem += 1
+        if nrem == 0:
+            continue
+        nc = 0
+        for x in range(nd_ptr[g], nd_ptr[g + 1]):
+            t = nd_tok[x]
+            bit = np.int32(1) << np.int32(t & 31)
+            if row[t >> 5] & bit:
+                row[t >> 5] &= ~bit
+                cleared[nc] = t
+                nc += 1
+        for wi in range(words.shape[0]):
+            if nrem == 0:
+                break
+            w = words[wi]
+            rw = row[w]
+            if rw == 0:
+                continue
+            j2 = 0
+            for r in range(nrem):
+                i = rem[r]
+                if ((~bt[w, k_arr[i]]) & rw) != 0:
+                    out[i] = True
+                else:
+                    rem[j2] = i
+                    j2 += 1
+            nrem = j2
+        for x in range(nc):
+            t = cleared[x]
+            row[t >> 5] |= np.int32(1) << np.int32(t & 31)
 
 
 @_jit
@@ -793,8 +808,8 @@ def warm_up() -> None:
         unique_states(i64, 1)
         finish(i64, i64, i64, np.ones(1, bool), 1)
         allows_some(np.zeros((1, 1), np.int32), i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
-        grouped_allows_some(np.zeros((1, 1), np.int32), i64[:1], i64[:1], np.ones(1, np.bool_),
-                            np.ones((1, 1), np.bool_), i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
+        grouped_allows_some(np.zeros((1, 1), np.int32), i32[:1].copy(), i64[:1], np.zeros(2, np.int64), i64[:1],
+                            i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         pairs_clear(np.zeros((1, 1), np.int32), i32[:1], i64[:1], np.zeros((1, 1), np.int64), i64[:1],
                     np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.bool_), i64[:1], i64[:1], i64[:1], i64[:1],
                     i64[:1], np.ones((1, 1), np.bool_), np.zeros(1, np.bool_))
