@@ -98,20 +98,8 @@ class Fst:
         m = FstMatcher(c)
         bm = torch.zeros((1, c.num_words), dtype=torch.int32)
         eos = np.asarray(m.eos_ids)
-        out, adv = [], []
-        for _ in range(steps):
-            t0 = time.perf_counter_ns()
-            m.fill_bitmask(bm, 0)
-            out.append(time.perf_counter_ns() - t0)
-            tok = _pick(_ids(bm[0]), eos, rnd)
-            if tok is None:
-                break
-            t0 = time.perf_counter_ns()
-            ok = m.accept_tokens("b", [tok])
-            adv.append(time.perf_counter_ns() - t0)
-            if not ok or m.is_terminated():
-                break
-        return out, adv
+        return _timed_walk(lambda: m.fill_bitmask(bm, 0), lambda: _ids(bm[0]), lambda t: m.accept_tokens("b", [t]),
+                           m.is_terminated, eos, rnd, steps)
 
 
 class Xgr:
@@ -132,20 +120,8 @@ class Xgr:
     def walk(self, cg, rnd, steps):
         m = self.xgr.GrammarMatcher(cg)
         bm = self.xgr.allocate_token_bitmask(1, self.V)
-        out, adv = [], []
-        for _ in range(steps):
-            t0 = time.perf_counter_ns()
-            m.fill_next_token_bitmask(bm, 0)
-            out.append(time.perf_counter_ns() - t0)
-            tok = _pick(_ids(bm[0])[: self.V], self.eos, rnd)
-            if tok is None:
-                break
-            t0 = time.perf_counter_ns()
-            ok = m.accept_token(tok)
-            adv.append(time.perf_counter_ns() - t0)
-            if not ok or m.is_terminated():
-                break
-        return out, adv
+        return _timed_walk(lambda: m.fill_next_token_bitmask(bm, 0), lambda: _ids(bm[0])[: self.V], m.accept_token,
+                           m.is_terminated, self.eos, rnd, steps)
 
 
 class LLG:
@@ -171,20 +147,8 @@ class LLG:
         import llguidance.torch as lt
 
         bm = lt.allocate_token_bitmask(1, self.V)
-        out, adv = [], []
-        for _ in range(steps):
-            t0 = time.perf_counter_ns()
-            lt.fill_next_token_bitmask(m, bm, 0)
-            out.append(time.perf_counter_ns() - t0)
-            tok = _pick(_ids(bm[0])[: self.V], self.eos, rnd)
-            if tok is None:
-                break
-            t0 = time.perf_counter_ns()
-            ok = m.consume_token(tok)
-            adv.append(time.perf_counter_ns() - t0)
-            if not ok or m.is_stopped():
-                break
-        return out, adv
+        return _timed_walk(lambda: lt.fill_next_token_bitmask(m, bm, 0), lambda: _ids(bm[0])[: self.V], m.consume_token,
+                           m.is_stopped, self.eos, rnd, steps)
 
 
 class Outlines:
@@ -209,19 +173,36 @@ class Outlines:
     def walk(self, index, rnd, steps):
         g = self.oc.Guide(index)
         bm = torch.zeros((1, (self.V + 31) // 32), dtype=torch.int32)
-        out, adv = [], []
-        for _ in range(steps):
-            t0 = time.perf_counter_ns()
-            row = bm[0]
-            g.write_mask_into(row.data_ptr(), row.numel(), row.element_size())
-            out.append(time.perf_counter_ns() - t0)
-            tok = _pick(_ids(bm[0])[: self.V], self.eos, rnd)
-            if tok is None or tok in self.eos or g.is_finished():
-                break
-            t0 = time.perf_counter_ns()
+        row = bm[0]
+
+        def accept(tok):
             g.advance(tok)
-            adv.append(time.perf_counter_ns() - t0)
-        return out, adv
+            return True
+
+        # the guide has no terminal state to enter: stop before EOS or once finished
+        return _timed_walk(lambda: g.write_mask_into(row.data_ptr(), row.numel(), row.element_size()),
+                           lambda: _ids(bm[0])[: self.V], accept, lambda: False, self.eos, rnd, steps,
+                           stop_before=lambda tok: tok in self.eos or g.is_finished())
+
+
+def _timed_walk(fill, allowed, accept, done, eos, rnd, steps, stop_before=None) -> tuple[list[int], list[int]]:
+    """One random walk of at most ``steps`` steps: ``fill()`` (timed), pick a token among ``allowed()``
+    (:func:`_pick`), stop if there is none or ``stop_before(token)``, else ``accept(token)`` (timed; stop
+    when it returns False or ``done()``). Returns ``(fill ns, advance ns)`` lists."""
+    out, adv = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        fill()
+        out.append(time.perf_counter_ns() - t0)
+        tok = _pick(allowed(), eos, rnd)
+        if tok is None or (stop_before is not None and stop_before(tok)):
+            break
+        t0 = time.perf_counter_ns()
+        ok = accept(tok)
+        adv.append(time.perf_counter_ns() - t0)
+        if not ok or done():
+            break
+    return out, adv
 
 
 def _ids(row) -> np.ndarray:

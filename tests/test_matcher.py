@@ -221,16 +221,16 @@ def test_factored_kernel_equals_reference(fst_artifacts, name, regex):
     fc = c.factored
     rnd = random.Random(5)
     V = c.vocab_size
-    for st in _walk_states(c, rnd):
-        u = fc.unpack(st)
+    for x in _walk_states(c, rnd):
+        u = fc.unpack(x)
         assert np.array_equal(fc.compute_row(*u), fc._compute_row_numpy(*u)), (regex, u)
-        row = fc.row(st)
-        ids = c.allowed_tokens(st).tolist()
+        row = fc.row(x)
+        ids = c.allowed_tokens(x).tolist()
         probes = rnd.sample(ids, min(6, len(ids))) + [rnd.randrange(V), int(c.eos_ids[0]), -1, V]
         for t in probes:
-            ref = fc._next_state_reference(st, t)
-            assert fc.next_state(st, t) == ref, (regex, u, t)
-            nxt, nrow = fc.advance(st, row, t)
+            ref = fc._next_state_reference(x, t)
+            assert fc.next_state(x, t) == ref, (regex, u, t)
+            nxt, nrow = fc.advance(x, row, t)
             if ref < 0 or t in set(c.eos_ids.tolist()):
                 assert nxt == -1 and nrow is None, (regex, u, t)
             else:

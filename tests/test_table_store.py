@@ -13,7 +13,6 @@ SmolLM2 tokenizer with canonical artifacts.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap

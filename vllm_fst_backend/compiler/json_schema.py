@@ -999,9 +999,9 @@ class _Converter:
             for i in range(len(merged)):
                 for j in range(i + 1, len(merged)):
                     if not self.disjoint(merged[i], merged[j], 0):
-                        raise self.refuse("oneOf", ptr, f"alternatives are not provably disjoint (e.g. "
-                                                        f"different types, const values or numeric ranges); "
-                                                        f"use anyOf if overlap is acceptable")
+                        raise self.refuse("oneOf", ptr, "alternatives are not provably disjoint (e.g. "
+                                                        "different types, const values or numeric ranges); "
+                                                        "use anyOf if overlap is acceptable")
         return self.rx.alt(results)
 
     def disjoint(self, a: Any, b: Any, depth: int) -> bool:

@@ -7,18 +7,17 @@ does not JIT again) and run without the GIL, so a compile in one thread does not
 once per process, inside :func:`.compile.prepare`, i.e. outside any compile budget.
 
 Kernels cannot read the clock cheaply, so the long-running ones work in bounded chunks and return to
-Python, which checks the deadline between chunks (:func:`walk_hash`, :func:`walk_emit`: at most
-``max_visits`` class-trie arcs per call).
+Python, which checks the deadline between chunks (:func:`walk_class_trie`: at most ``max_visits``
+class-trie arcs per call).
 
 Token DFA (:mod:`.token_dfa`, paper 001 Alg. 2 / 004 Eq. 3: byte DFA ∘ detokenizer, projected on tokens;
 each kernel reproduces one numpy step of the reference path exactly, see the function docstrings):
 
 * :func:`class_trie` -- the class trie (token-trie nodes merged by byte-class strings);
-* :func:`walk_hash` -- pass 1 of the walk of the class trie from many byte states: the states reached
-  and, per group, hash sums of its (source, next state) pairs (merging groups with identical behaviour
-  without storing the pairs);
-* :func:`prune_trie` + :func:`walk_emit` -- pass 2: the walk restricted to one class node per merged
-  group, emitting the merged edges;
+* :func:`walk_class_trie` -- the walk of the class trie from many byte states, in two passes: the
+  states reached and, per group, hash sums of its (source, next state) pairs (merging groups with
+  identical behaviour without storing the pairs); then, on the trie restricted to one class node per
+  merged group (:func:`prune_trie`), the merged edges;
 * :func:`finish` -- trim (reachable and co-reachable) and BFS renumbering.
 
 Factored canonical product (:mod:`.canonical_product`, 004 Eq. 5 / §6.5):
@@ -38,7 +37,7 @@ import numba
 import numpy as np
 
 __all__ = [
-    "class_trie", "walk_hash", "prune_trie", "walk_emit", "unique_states", "finish",
+    "class_trie", "walk_class_trie", "prune_trie", "unique_states", "finish",
     "canon_row", "canon_step", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
@@ -149,22 +148,29 @@ def class_trie(node_parent, node_class, child_ptr, K):
 
 
 @_jit
-def walk_hash(child_ptr, byte_of_cnode, group_of_cnode, table, sources, start, max_visits, max_depth,
-              h_a, h_b, h_c, h_d, h_e, h_f, s1, s2, cnt, reached):
-    """Pass 1 of the token walk (``token_dfa._FusedWalk``): depth-first walk of the class trie from
-    ``sources[start:]`` (byte states at a token boundary) that stores no edge. Every class node ``c``
-    reached from source ``q`` (its byte string is defined from ``q``, leading to ``q2``) that carries a
-    group ``g`` adds the pair ``(q, q2)`` to ``g``'s hash sums (the sums of
-    ``token_dfa._merge_groups_numpy``, uint64 arithmetic wrapping modulo 2⁶⁴, order-free)::
+def walk_class_trie(kid_ptr, kids, byte_of_cnode, group_of_node, table, sources, start, max_visits, max_depth,
+                    emit, h, sums, cnt, reached, per_source_max, o_s, o_g, o_q, n0):
+    """Depth-first walk of the class trie from ``sources[start:]`` (byte states at a token boundary), both
+    passes of ``token_dfa._FusedWalk``. Every node ``c`` reached from source index ``i`` (its byte string
+    is defined from ``q = sources[i]``, leading to byte state ``q2``) with ``g = group_of_node[c] >= 0``:
 
-        s1[g] += h_a[q] * (h_b[q2] | 1) + h_c[q2];  s2[g] += h_d[q] * (h_e[q2] | 1) + h_f[q2];  cnt[g] += 1
+    * pass 1 (``emit`` False) adds the pair ``(q, q2)`` to ``g``'s hash sums (those of
+      ``token_dfa._merge_groups_numpy``, uint64 arithmetic wrapping modulo 2⁶⁴, order-free) and marks
+      ``reached[q2]``; no edge is stored::
 
-    and marks ``reached[q2]``.
+          sums[0, g] += h[0, q] * (h[1, q2] | 1) + h[2, q2];  sums[1, g] += h[3, q] * (h[4, q2] | 1) + h[5, q2]
+          cnt[g] += 1
+
+    * pass 2 (``emit`` True, on the trie pruned by :func:`prune_trie`) writes ``(i, g, q2)`` into the
+      output buffers from ``n0`` on; no new source is started unless ``per_source_max`` slots are free.
 
     Args:
-        child_ptr: ``int64[M+1]`` children of class node c are ``child_ptr[c]:child_ptr[c+1]``.
+        kid_ptr: ``int64[M+1]``; the children of node c are ``kids[kid_ptr[c]:kid_ptr[c+1]]``, or the ids
+            ``kid_ptr[c]:kid_ptr[c+1]`` themselves when ``kids`` is empty (the whole class trie: its
+            ``child_ptr``).
+        kids: ``int32[m]`` child ids (:func:`prune_trie`) or empty.
         byte_of_cnode: ``int32[M]`` the column of ``table`` read on the arc into each node.
-        group_of_cnode: ``int32[M]`` group ending at each node, -1 if none.
+        group_of_node: ``int32[M]`` the group of each node, -1 if none.
         table: ``int32[n, K]`` byte DFA by column (-1 = reject): the caller passes one column per byte
             class (``table[:, rep_byte]``) and the class labels as ``byte_of_cnode``.
         sources: ``int32[n_src]`` byte states.
@@ -172,58 +178,66 @@ def walk_hash(child_ptr, byte_of_cnode, group_of_cnode, table, sources, start, m
         max_visits: no new source is started once this many trie arcs were tried in this call (the
             first one always is).
         max_depth: depth of the class trie (the DFS stack size).
-        h_a .. h_f: ``uint64[n]`` per-byte-state hash values (``token_dfa._state_hashes``).
-        s1, s2: ``uint64[G]``; cnt: ``int64[G]`` -- the sums, updated in place.
-        reached: ``bool[n]`` -- updated in place.
+        emit: pass 2 (True) or pass 1 (False).
+        h: ``uint64[6, n]`` per-byte-state hash values (``token_dfa._state_hashes``); pass 1 only.
+        sums: ``uint64[2, G]``; cnt: ``int64[G]``; reached: ``bool[n]`` -- updated in place; pass 1 only.
+        per_source_max, o_s, o_g, o_q, n0: pass 2 only: ``int32[cap]`` output buffers (source index,
+            group, byte state) holding ``n0`` emissions already, ``cap >= n0 + per_source_max``.
 
     Returns:
-        ``(next_start, n_emitted)``: the first source not walked (``len(sources)`` when done) and the
+        ``(next_start, n)``: the first source not walked (``len(sources)`` when done) and ``n0`` plus the
         number of (source, group) transitions found in this call.
     """
     n = sources.shape[0]
+    cap = o_s.shape[0]
+    by_id = kids.shape[0] == 0
+    n_out = n0
     st_q = np.empty(max_depth + 2, np.int32)
     st_it = np.empty(max_depth + 2, np.int64)
     st_end = np.empty(max_depth + 2, np.int64)
     one = np.uint64(1)
     visits = 0
-    n_emit = 0
     i = start
     while i < n:
-        if i > start and visits >= max_visits:
+        if i > start and (visits >= max_visits or (emit and n_out + per_source_max > cap)):
             break
         q0 = sources[i]
-        ha = h_a[q0]
-        hd = h_d[q0]
         top = 0
         st_q[0] = q0
-        st_it[0] = child_ptr[0]
-        st_end[0] = child_ptr[1]
+        st_it[0] = kid_ptr[0]
+        st_end[0] = kid_ptr[1]
         while top >= 0:
-            c = st_it[top]
-            if c == st_end[top]:
+            p = st_it[top]
+            if p == st_end[top]:
                 top -= 1
                 continue
-            st_it[top] = c + 1
+            st_it[top] = p + 1
+            c = p if by_id else kids[p]
             visits += 1
             nq = table[st_q[top], byte_of_cnode[c]]
             if nq < 0:
                 continue
-            g = group_of_cnode[c]
+            g = group_of_node[c]
             if g >= 0:
-                s1[g] += ha * (h_b[nq] | one) + h_c[nq]
-                s2[g] += hd * (h_e[nq] | one) + h_f[nq]
-                cnt[g] += 1
-                reached[nq] = True
-                n_emit += 1
-            lo = child_ptr[c]
-            hi = child_ptr[c + 1]
+                if emit:
+                    o_s[n_out] = i
+                    o_g[n_out] = g
+                    o_q[n_out] = nq
+                else:
+                    sums[0, g] += h[0, q0] * (h[1, nq] | one) + h[2, nq]
+                    sums[1, g] += h[3, q0] * (h[4, nq] | one) + h[5, nq]
+                    cnt[g] += 1
+                    reached[nq] = True
+                n_out += 1
+            lo = kid_ptr[c]
+            hi = kid_ptr[c + 1]
             if lo < hi:
                 top += 1
                 st_q[top] = nq
                 st_it[top] = lo
                 st_end[top] = hi
         i += 1
-    return i, n_emit
+    return i, n_out
 
 
 @_jit
@@ -252,57 +266,6 @@ def prune_trie(parent, child_ptr, keep):
             kids[fill[p]] = c
             fill[p] += 1
     return kid_ptr, kids
-
-
-@_jit
-def walk_emit(kid_ptr, kids, byte_of_cnode, emit_group, table, sources, start, max_visits, max_depth,
-              per_source_max, o_s, o_g, o_q, n0):
-    """Pass 2 of the token walk (``token_dfa._FusedWalk``): depth-first walk of the pruned class trie
-    (:func:`prune_trie`) from ``sources[start:]``; every node ``c`` with ``emit_group[c] >= 0`` reached
-    from source index ``i`` emits ``(i, emit_group[c], byte state)`` into the output buffers from ``n0``
-    on. Chunked like :func:`walk_hash` (``max_visits``); no new source is started unless
-    ``per_source_max`` output slots are free. Returns ``(next_start, n_out)``."""
-    n = sources.shape[0]
-    cap = o_s.shape[0]
-    n_out = n0
-    st_q = np.empty(max_depth + 2, np.int32)
-    st_it = np.empty(max_depth + 2, np.int64)
-    st_end = np.empty(max_depth + 2, np.int64)
-    visits = 0
-    i = start
-    while i < n:
-        if i > start and (visits >= max_visits or n_out + per_source_max > cap):
-            break
-        top = 0
-        st_q[0] = sources[i]
-        st_it[0] = kid_ptr[0]
-        st_end[0] = kid_ptr[1]
-        while top >= 0:
-            p = st_it[top]
-            if p == st_end[top]:
-                top -= 1
-                continue
-            st_it[top] = p + 1
-            c = kids[p]
-            visits += 1
-            nq = table[st_q[top], byte_of_cnode[c]]
-            if nq < 0:
-                continue
-            g = emit_group[c]
-            if g >= 0:
-                o_s[n_out] = i
-                o_g[n_out] = g
-                o_q[n_out] = nq
-                n_out += 1
-            lo = kid_ptr[c]
-            hi = kid_ptr[c + 1]
-            if lo < hi:
-                top += 1
-                st_q[top] = nq
-                st_it[top] = lo
-                st_end[top] = hi
-        i += 1
-    return i, n_out
 
 
 @_jit
@@ -600,9 +563,7 @@ def canon_step(out_i32, row_i32, state, token, spec, key_lo, key_hi, key_of_s, t
         ``STEP_REJECT`` (next_state -1): not allowed; ``STEP_NEED_SPEC``: the successor's table is not
         built; ``STEP_NEED_PY``: the successor is inside a byte-fallback character (row in Python).
     """
-    x = state
-    sig = x % n_sig
-    x //= n_sig
+    x = state // n_sig  # (the current σ does not enter the successor)
     kk = x % NK
     x //= NK
     a = x % n_acc
@@ -799,11 +760,13 @@ def warm_up() -> None:
         i64 = np.zeros(2, np.int64)
         class_trie(np.array([-1, 0], np.int32), np.array([0, 0], np.int32), np.array([1, 2, 2], np.int64), 1)
         table = np.full((1, 256), -1, np.int32)
-        u64 = np.zeros(1, np.uint64)
-        walk_hash(np.array([1, 1], np.int64), i32[:1], i32[:1], table, i32[:1], 0, 1, 1, u64, u64, u64, u64, u64,
-                  u64, u64.copy(), u64.copy(), i64[:1].copy(), np.zeros(1, np.bool_))
+        no_kids = np.zeros(0, np.int32)
+        h, sums = np.zeros((6, 1), np.uint64), np.zeros((2, 1), np.uint64)
+        walk_class_trie(np.array([1, 1], np.int64), no_kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, False, h, sums,
+                        i64[:1].copy(), np.zeros(1, np.bool_), 0, no_kids, no_kids, no_kids, 0)
         kp, kids = prune_trie(np.array([-1], np.int32), np.array([1, 1], np.int64), np.ones(1, np.bool_))
-        walk_emit(kp, kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, 1, i32, i32, i32, 0)
+        walk_class_trie(kp, kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, True, h, sums, i64[:1].copy(),
+                        np.zeros(1, np.bool_), 1, i32.copy(), i32.copy(), i32.copy(), 0)
         unique_states(i32, 1)
         unique_states(i64, 1)
         finish(i64, i64, i64, np.ones(1, bool), 1)

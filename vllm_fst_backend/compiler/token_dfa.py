@@ -407,7 +407,7 @@ def _class_trie_numba(trie: TokenTrie, bcls: np.ndarray, K: int, deadline: float
 
 
 def _class_trie_depth(ct: _ClassTrie) -> int:
-    """Depth of the class trie: the DFS stack size of :func:`.kernels.walk_hash`. Nodes are numbered
+    """Depth of the class trie: the DFS stack size of :func:`.kernels.walk_class_trie`. Nodes are numbered
     level by level, so level d+1 is the child range of level d's node range. O(depth)."""
     cp = ct.child_ptr
     lo, hi, d = 0, 1, 0
@@ -439,7 +439,7 @@ def _state_hashes(keys: np.ndarray) -> list:
 
 def _pair_hashes(h: list, es: np.ndarray, en: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(h1, h2)`` (``uint64[E]``) of the edges ``es -> en`` (state indices into the arrays of
-    :func:`_state_hashes`): the terms of the group hash sums (:func:`.kernels.walk_hash`)."""
+    :func:`_state_hashes`): the terms of the group hash sums (:func:`.kernels.walk_class_trie`)."""
     one = np.uint64(1)
     h1 = h[0][es] * (h[1][en] | one) + h[2][en]
     h2 = h[3][es] * (h[4][en] | one) + h[5][en]
@@ -451,10 +451,10 @@ class _FusedWalk:
     (inside a bounded JSON string every position state has ~10⁴-10⁵ unmerged edges, which the merge
     collapses to a few hundred; see :func:`_merge_groups_numpy` for the merge itself).
 
-    * Pass 1 (:meth:`hash_round`, once per discovery round, :func:`.kernels.walk_hash`): the states
+    * Pass 1 (:meth:`hash_round`, once per discovery round, :func:`.kernels.walk_class_trie`): the states
       reached and, per group, hash sums of its (source, next state) pairs.
     * :meth:`merge_and_emit`: groups with equal sums (and pair counts) are merged; pass 2
-      (:func:`.kernels.walk_emit`) walks the class trie pruned to one class node per merged group
+      (:func:`.kernels.walk_class_trie`) walks the class trie pruned to one class node per merged group
       (:func:`.kernels.prune_trie`) from every source and emits the merged edges.
 
     The merge is decided on two 64-bit hash sums without the numpy path's exact check (that check needs
@@ -475,10 +475,10 @@ class _FusedWalk:
         self.deadline = deadline
         self.max_edges = max_edges
         self.depth = _class_trie_depth(ct)
-        self.h = _state_hashes(np.arange(self.nb, dtype=np.int64))
-        self.s1 = np.zeros(max(G, 1), dtype=np.uint64)
-        self.s2 = np.zeros(max(G, 1), dtype=np.uint64)
+        self.h = np.stack(_state_hashes(np.arange(self.nb, dtype=np.int64)))  # uint64[6, nb]
+        self.sums = np.zeros((2, max(G, 1)), dtype=np.uint64)
         self.cnt = np.zeros(max(G, 1), dtype=np.int64)
+        self._no_out = np.zeros(0, dtype=np.int32)
         self.reached = np.zeros(self.nb, dtype=bool)
 
     def _check_deadline(self) -> None:
@@ -497,9 +497,10 @@ class _FusedWalk:
         n_emit = 0
         i = 0
         while i < len(src):
-            i, n = kernels.walk_hash(self.ct.child_ptr, self.byte_of_cnode, self.gc, self.tab, src, i,
-                                     _WALK_CHUNK_VISITS, self.depth, *self.h, self.s1, self.s2, self.cnt,
-                                     self.reached)
+            no = self._no_out  # (no kids: the whole class trie; no output buffers in pass 1)
+            i, n = kernels.walk_class_trie(self.ct.child_ptr, no, self.byte_of_cnode, self.gc, self.tab, src, i,
+                                           _WALK_CHUNK_VISITS, self.depth, False, self.h, self.sums, self.cnt,
+                                           self.reached, 0, no, no, no, 0)
             n_emit += n
             if n_emit > self.max_edges:
                 raise CompileBudgetError(f"token automaton exceeds {self.max_edges} group transitions", None)
@@ -512,7 +513,7 @@ class _FusedWalk:
         Returns ``(es, eg, en, token_group, G)`` like :func:`_merge_groups_numpy` (edges in any order)."""
         from . import kernels
 
-        s1, s2, cnt = self.s1[:G].copy(), self.s2[:G].copy(), self.cnt[:G].copy()
+        s1, s2, cnt = self.sums[0, :G].copy(), self.sums[1, :G].copy(), self.cnt[:G].copy()
         if len(bf_s):
             h1, h2 = _pair_hashes(_state_hashes(skey), bf_s, bf_n)
             np.add.at(s1, bf_g, h1)
@@ -555,8 +556,9 @@ class _FusedWalk:
                     for b_old, b_new in zip(bufs, grown):
                         b_new[:n_out] = b_old[:n_out]
                     bufs = grown
-                i, n_out = kernels.walk_emit(kid_ptr, kids, self.byte_of_cnode, emit_group, self.tab, src, i,
-                                             _WALK_CHUNK_VISITS, self.depth, per_source, *bufs, n_out)
+                i, n_out = kernels.walk_class_trie(kid_ptr, kids, self.byte_of_cnode, emit_group, self.tab, src, i,
+                                                   _WALK_CHUNK_VISITS, self.depth, True, self.h, self.sums, self.cnt,
+                                                   self.reached, per_source, *bufs, n_out)
                 self._check_deadline()
             si, g, q = (b[:n_out] for b in bufs)
             out_s.append(plain_states[si])
