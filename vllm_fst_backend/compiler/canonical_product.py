@@ -1487,6 +1487,20 @@ class FactoredCanonical:
             return
         st = self._spec_static if self._spec_static is not None else self._spec_static_init()
         gs, ts = an._edges(s)
+        # fast path: one kernel call (every target's tag already has its tag_bits row), else numpy
+        buf = np.empty((len(st), 7), dtype=np.int64)
+        n = kernels.spec_table(gs, ts, an.spec_group, st, an.tag, self._tag_row_arr, self._tag_bits, H.tclass, buf)
+        if n >= 0:
+            spec = buf[:n]
+        else:
+            spec = self._spec_rows_numpy(s, st)
+        self._publish_specials(key, spec)
+
+    def _spec_rows_numpy(self, s: int, st: np.ndarray) -> np.ndarray:
+        """The rows of :meth:`_fast_specials` with numpy, adding the ``tag_bits`` rows of new tags."""
+        kernels = _kernels()
+        H, an = self.H, self.an
+        gs, ts = an._edges(s)
         if len(gs) and len(an.spec_toks):
             pos = np.minimum(np.searchsorted(gs, an.spec_group), len(gs) - 1)
             idx = np.flatnonzero(gs[pos] == an.spec_group)
@@ -1502,7 +1516,13 @@ class FactoredCanonical:
         spec[plain, kernels.SP_ARG] = tag_bits[trow[plain], np.maximum(H.tclass[spec[plain, kernels.SP_TOK]], 0)]
         ctx = kind == kernels.KIND_CTX
         spec[ctx, kernels.SP_ROW] = trow[ctx]
-        inner = np.flatnonzero(kind == kernels.KIND_INNER)
+        return spec
+
+    def _publish_specials(self, key: int, spec: np.ndarray) -> None:
+        """Append the special-token table ``spec`` of signature ``key`` and publish a new ``_fspec``
+        snapshot (byte-fallback tokens opening a character get their ``inner_cache`` rows here)."""
+        kernels = _kernels()
+        inner = np.flatnonzero(spec[:, kernels.SP_KIND] == kernels.KIND_INNER)
         with self._lock:
             spec_all, key_lo, key_hi, icache, _ = self._fspec
             if key_lo[key] >= 0:  # another thread built it meanwhile

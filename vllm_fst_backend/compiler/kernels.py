@@ -38,7 +38,7 @@ import numpy as np
 
 __all__ = [
     "class_trie", "walk_class_trie", "prune_trie", "unique_states", "finish",
-    "canon_row", "canon_step", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
+    "canon_row", "canon_step", "spec_table", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -614,6 +614,46 @@ def canon_step(out_i32, row_i32, state, token, spec, key_lo, key_hi, key_of_s, t
 
 _WARM = False
 @_jit
+def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
+    """The special-token table of one regex state (:meth:`.canonical_product.FactoredCanonical.
+    _fast_specials`): for each special token whose group ``spec_group[r]`` is among the state's edge
+    groups ``gs`` (sorted; targets ``ts``), a row of ``out`` (``int64[n_spec, 7]``): the static columns
+    ``st[r]``, ``SP_TGT`` = the target, and for ``KIND_PLAIN`` tokens ``SP_ARG`` = ``tag_bits[row of the
+    target's tag, class of the token]``, for ``KIND_CTX`` tokens ``SP_ROW`` = that row. Returns the
+    number of rows written, or -1 when a target's tag has no ``tag_bits`` row yet (the caller adds it
+    and calls again)."""
+    m = 0
+    E = gs.shape[0]
+    for r in range(spec_group.shape[0]):
+        g = spec_group[r]
+        lo = 0
+        hi = E
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if gs[mid] < g:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo >= E or gs[lo] != g:
+            continue
+        t = ts[lo]
+        tr = tag_row_arr[tag[t]]
+        if tr < 0 or tr >= tag_bits.shape[0]:  # (a row added after the caller's snapshot of tag_bits)
+            return -1
+        for c in range(7):
+            out[m, c] = st[r, c]
+        out[m, SP_TGT] = t
+        kind = st[r, SP_KIND]
+        if kind == KIND_PLAIN:
+            k = tclass[st[r, SP_TOK]]
+            out[m, SP_ARG] = tag_bits[tr, k if k > 0 else 0]
+        elif kind == KIND_CTX:
+            out[m, SP_ROW] = tr
+        m += 1
+    return m
+
+
+@_jit
 def allows_some(bt, row, words, k_arr, out):
     """Dead-end analysis (:meth:`.canonical_product.CanonHelper.allows_some`): set ``out[i]`` when class
     ``k_arr[i]`` bans not every token of the bit row ``row`` (``int32[W]``), i.e. some word ``w`` of
@@ -771,6 +811,8 @@ def warm_up() -> None:
         unique_states(i64, 1)
         finish(i64, i64, i64, np.ones(1, bool), 1)
         allows_some(np.zeros((1, 1), np.int32), i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
+        spec_table(i32[:1], i32[:1], i32[:1], np.zeros((1, 7), np.int64), i64[:1], i64[:1], np.zeros((1, 1), np.int64),
+                   i32[:1], np.zeros((1, 7), np.int64))
         grouped_allows_some(np.zeros((1, 1), np.int32), i32[:1].copy(), i64[:1], np.zeros(2, np.int64), i64[:1],
                             i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         pairs_clear(np.zeros((1, 1), np.int32), i32[:1], i64[:1], np.zeros((1, 1), np.int64), i64[:1],
