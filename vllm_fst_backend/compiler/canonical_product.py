@@ -619,6 +619,9 @@ class _Analysis:
         vt, vg = toks[sel], tgts[sel]
         if len(vt):
             vt_order = np.argsort(H.est_ban[vt], kind="stable")  # likely witnesses first
+            # (toks come sorted by id: keep that order's positions for _pairs_clear's lookups)
+            by_id = (vt, np.empty(len(vt), dtype=np.int64))
+            by_id[1][vt_order] = np.arange(len(vt), dtype=np.int64)
             vt, vg = vt[vt_order], vg[vt_order]
             jw = H.j_of[vt]
             # A context-dependent token that is not whitespace-final and reaches its default class in
@@ -647,7 +650,7 @@ class _Analysis:
                     if len(w):
                         in_g = np.flatnonzero(k_u == u)
                         out[in_g[self._allows_some(_pack_ids(w, H.W), k_arr[in_g])]] = True
-            self._pairs_clear(k_arr, k_u, groups, sig, vt, vg, jw, dj, out)
+            self._pairs_clear(k_arr, k_u, groups, sig, vt, vg, jw, dj, out, by_id)
         for v, t in zip(toks[inner].tolist(), tgts[inner].tolist()):
             idx = np.flatnonzero(~out)
             if not len(idx):
@@ -660,13 +663,14 @@ class _Analysis:
         return H.allows_some(row, k_arr) if self.use_kernels else H.allows_some_numpy(row, k_arr)
 
     def _pairs_clear(self, k_arr: np.ndarray, k_u: np.ndarray, groups: np.ndarray, sig: int, vt: np.ndarray,
-                     vg: np.ndarray, jw: np.ndarray, dj: np.ndarray, out: np.ndarray) -> None:
+                     vg: np.ndarray, jw: np.ndarray, dj: np.ndarray, out: np.ndarray, by_id=None) -> None:
         """The per-pair path of :meth:`specials_clear` for the classes of ``k_arr`` not yet cleared in
         ``out`` (set in place; class i in context group ``groups[k_u[i]]``): tokens ``vt`` (→ regex states
         ``vg``, lookahead-token indices ``jw``) × classes, except the tokens that act like regular ones in
         the class's group (``dj``: their ``ctx_j``, else -1; ``CanonHelper.ctx_default``). Numba kernel
         :func:`.kernels.pairs_clear` (per class, tokens in order until a good one), with the bad tables
-        of the tokens' targets stacked per distinct tag."""
+        of the tokens' targets stacked per distinct tag. ``by_id``: ``(tokens of vt sorted by id, their
+        positions in vt)`` when the caller has them (else computed here)."""
         H = self.H
         if not self.use_kernels:
             for u in range(len(groups)):
@@ -678,7 +682,9 @@ class _Analysis:
         live = np.flatnonzero(~out)
         if not len(live):
             return
-        H = self.H
+        if by_id is None:
+            o = np.argsort(vt, kind="stable")
+            by_id = (vt[o], o.astype(np.int64))
         tags = self.tag[vg]
         tab_of = np.full(len(vt), -1, dtype=np.int64)
         nz = np.flatnonzero(tags)
@@ -696,7 +702,11 @@ class _Analysis:
         sub = np.zeros(len(live), dtype=bool)
         _kernels().pairs_clear(H.bt, H.tclass, H.ctx_j, H.ctx_classes, H.class_group, H.la_sets_idx, tabs, tab_of,
                                np.ascontiguousarray(vt, dtype=np.int64), np.ascontiguousarray(jw, dtype=np.int64),
-                               np.ascontiguousarray(k_arr[live], dtype=np.int64), dj, H.ctx_default, sub)
+                               np.ascontiguousarray(k_arr[live], dtype=np.int64),
+                               dj if H.nd_ptr is not None else np.full(len(vt), -1, dtype=np.int64),
+                               H.nd_ptr if H.nd_ptr is not None else np.zeros(1, np.int64),
+                               H.nd_tok if H.nd_tok is not None else np.zeros(0, np.int64),
+                               np.ascontiguousarray(by_id[0], dtype=np.int64), by_id[1], sub)
         out[live[sub]] = True
 
     def _pairs_clear_numpy(self, k_arr: np.ndarray, idx: np.ndarray, sig: int, vt: np.ndarray, vg: np.ndarray,

@@ -745,8 +745,31 @@ def grouped_allows_some(bt, row, words, nd_ptr, nd_tok, groups, k_arr, k_u, out)
 
 
 @_jit
-def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, tab_of, vt, jw, kk, dflt_j, ctx_default,
-                out):
+def _pair_good(bt, tclass, ctx_j, ctx_classes, la_sets_idx, tabs, tab_of, vt, jw, r, k, g, C):
+    """Token ``vt[r]`` after class k (context group g): allowed and with a good successor (see
+    :func:`pairs_clear`)."""
+    v = vt[r]
+    if (bt[v >> 5, k] >> (v & 31)) & 1:
+        return False
+    ns = 0
+    if jw[r] >= 0:
+        ns = la_sets_idx[k, jw[r]]
+        if ns < 0:
+            return False
+    ti = tab_of[r]
+    if ti >= 0:
+        j2 = ctx_j[v]
+        cv = np.int64(tclass[v]) if j2 < 0 else np.int64(ctx_classes[j2, g])
+        if cv < 0:
+            cv += C
+        if tabs[ti, ns, cv]:
+            return False
+    return True
+
+
+@_jit
+def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, tab_of, vt, jw, kk, dflt_j, nd_ptr,
+                nd_tok, id_tok, id_r, out):
     """Dead-end analysis, the per-pair path of special tokens (:meth:`.canonical_product._Analysis.
     _pairs_clear`): for each class ``kk[i]`` with ``out[i]`` unset, set it when some token ``vt[r]`` is
     not banned after the class (``bt``: word-major banned bits ``int32[W, C]``) and its successor is
@@ -754,36 +777,67 @@ def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, 
     -1 = empty set: never good) else 0 (ALL); class reached ``tclass[v]``, or
     ``ctx_classes[ctx_j[v], class_group[k]]`` for context-dependent tokens (negative indices wrap like
     numpy's); good unless ``tabs[tab_of[r], σ, class]`` (``tab_of[r] < 0``: the target's table is all
-    good). Tokens that act like regular tokens in the class's context group (``dflt_j[r] >= 0`` and
-    ``ctx_default[dflt_j[r], class_group[k]]``: :func:`grouped_allows_some` tests them) are skipped.
-    Tokens in the given order (likely witnesses first), stopping at the first good one."""
+    good).
+
+    Tokens with ``dflt_j[r] >= 0`` act like regular tokens in every context group except where they are
+    an exception (``nd_tok[nd_ptr[g]:nd_ptr[g + 1]]``, token ids; :func:`grouped_allows_some` tests them
+    elsewhere), so a class of group g tries the tokens with ``dflt_j[r] < 0`` and the exceptions of g
+    present in ``vt`` (looked up by binary search in ``id_tok``: the tokens of ``vt`` sorted by id, with
+    their positions ``id_r``; once per group), merged in the given order (likely witnesses first),
+    stopping at the first good one."""
     C = bt.shape[1]
+    n = vt.shape[0]
+    base = np.empty(n, np.int64)
+    nb = 0
+    nc = 0
+    for r in range(n):
+        if dflt_j[r] < 0:
+            base[nb] = r
+            nb += 1
+        else:
+            nc += 1
+    G = nd_ptr.shape[0] - 1
+    ex_lo = np.full(G, -1, np.int64)
+    ex_hi = np.full(G, -1, np.int64)
+    ex = np.empty(0, np.int64)
     for i in range(kk.shape[0]):
         if out[i]:
             continue
         k = kk[i]
         g = class_group[k]
-        for r in range(vt.shape[0]):
-            if dflt_j[r] >= 0 and ctx_default[dflt_j[r], g]:
-                continue
-            v = vt[r]
-            if (bt[v >> 5, k] >> (v & 31)) & 1:
-                continue
-            ns = 0
-            if jw[r] >= 0:
-                ns = la_sets_idx[k, jw[r]]
-                if ns < 0:
-                    continue
-            ti = tab_of[r]
-            if ti >= 0:
-                j2 = ctx_j[v]
-                cv = np.int64(tclass[v]) if j2 < 0 else np.int64(ctx_classes[j2, g])
-                if cv < 0:
-                    cv += C
-                if tabs[ti, ns, cv]:
-                    continue
-            out[i] = True
-            break
+        if nc > 0 and g < G and ex_lo[g] < 0:  # this group's exceptions present in vt, sorted by position r
+            found = np.empty(nd_ptr[g + 1] - nd_ptr[g], np.int64)
+            f = 0
+            for x in range(nd_ptr[g], nd_ptr[g + 1]):
+                t = nd_tok[x]
+                lo = 0
+                hi = n
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if id_tok[mid] < t:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                if lo < n and id_tok[lo] == t and dflt_j[id_r[lo]] >= 0:
+                    found[f] = id_r[lo]
+                    f += 1
+            found = np.sort(found[:f])
+            ex_lo[g] = ex.shape[0]
+            ex = np.concatenate((ex, found))
+            ex_hi[g] = ex.shape[0]
+        a = 0
+        b = ex_lo[g] if (nc > 0 and g < G) else 0
+        b_end = ex_hi[g] if (nc > 0 and g < G) else 0
+        while a < nb or b < b_end:
+            if b >= b_end or (a < nb and base[a] < ex[b]):
+                r = base[a]
+                a += 1
+            else:
+                r = ex[b]
+                b += 1
+            if _pair_good(bt, tclass, ctx_j, ctx_classes, la_sets_idx, tabs, tab_of, vt, jw, r, k, g, C):
+                out[i] = True
+                break
 
 
 _WARM_LOCK = threading.Lock()
@@ -817,7 +871,7 @@ def warm_up() -> None:
                             i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         pairs_clear(np.zeros((1, 1), np.int32), i32[:1], i64[:1], np.zeros((1, 1), np.int64), i64[:1],
                     np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.bool_), i64[:1], i64[:1], i64[:1], i64[:1],
-                    i64[:1], np.ones((1, 1), np.bool_), np.zeros(1, np.bool_))
+                    i64[:1], np.zeros(2, np.int64), i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         u = np.zeros(1, np.uint32)
         u2 = np.zeros((1, 1), np.uint32)
         b1 = np.ones(1, np.bool_)
