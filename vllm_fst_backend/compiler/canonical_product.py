@@ -230,6 +230,11 @@ class CanonHelper:
         ptr = getattr(cf, "banned_ptr", None)
         self.banned_ptr = np.asarray(ptr, dtype=np.int64) if ptr is not None else np.zeros(0, np.int64)
         self.banned_ids = np.asarray(cf.banned_ids) if ptr is not None else np.zeros(0, np.uint16)
+        # the row kernel reads these memory maps at random on every first visit of a state: fault their
+        # pages in now (one byte read per page), not one by one during decoding
+        for a in (self.banned_ptr, self.banned_ids):
+            if a.size and a.flags.c_contiguous:
+                int(a.reshape(-1).view(np.uint8)[::4096].sum())
 
     def table_state(self) -> tuple[dict, dict]:
         """``(scalars, arrays)``: the helper's own tables for :mod:`.table_store` (JSON-serializable
@@ -244,13 +249,20 @@ class CanonHelper:
                 scalars[k] = v
         return scalars, arrays
 
+    # arrays that stay memory-mapped when the tables come from the host's store: the banned matrix, read
+    # by the dead-end analysis only (739 MB for Tekken). The others are copied into the process's own
+    # memory: the decode-step kernels read them at random, and through a mapping of 4 KB pages (numpy's
+    # own large arrays get transparent huge pages) the per-token advance took twice as long.
+    SHARED_ARRAYS = ("bt",)
+
     @classmethod
     def from_tables(cls, cf, scalars: dict, arrays: dict) -> "CanonHelper":
-        """Inverse of :meth:`table_state` for the filter ``cf`` (arrays may be read-only-by-convention
-        memory maps: nothing writes into a helper after construction)."""
+        """Inverse of :meth:`table_state` for the filter ``cf``: arrays named in :attr:`SHARED_ARRAYS`
+        are used as given (e.g. copy-on-write memory maps: nothing writes into a helper after
+        construction), the others copied."""
         h = cls.__new__(cls)
         h.__dict__.update(scalars)
-        h.__dict__.update(arrays)
+        h.__dict__.update({k: (a if k in cls.SHARED_ARRAYS else np.array(a)) for k, a in arrays.items()})
         h._attach_filter(cf)
         return h
 
