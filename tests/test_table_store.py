@@ -2,8 +2,9 @@
 SmolLM2 tokenizer with canonical artifacts.
 
 * The first process builds and stores the tables, later ones map them (copy-on-write memory maps);
-  the mapped tables equal the built ones array for array, and automata compiled with them have the
-  same rows and successors along random walks as with tables built in-process.
+  the mapped tables equal the built ones array for array; the helper keeps only its banned matrix
+  mapped; automata compiled with them have the same rows and successors along random walks as with
+  tables built in-process.
 * Invalid stores (a truncated array, a wrong shape) are rebuilt, older versions of a tokenizer's tables
   are removed, a root without room is not written, and of two processes starting together exactly one
   builds.
@@ -86,6 +87,10 @@ def test_compile_with_mapped_tables_equals_built(smol, tmp_path, monkeypatch, re
     canonical_helper(a_store, trie_for(a_store))  # builds and stores
     h_map = canonical_helper(a_map, trie_for(a_map))  # maps
     assert isinstance(h_map.bt.base, np.memmap)  # mapped from the store, not built
+    # the tables the decode-step kernels read at random are the process's own copies (not mapped)
+    for name in ("la_sets_idx", "tclass", "sigma_rows", "ctx_classes"):
+        arr = getattr(h_map, name)
+        assert not isinstance(arr.base, np.memmap) and not isinstance(arr, np.memmap), name
     monkeypatch.setenv("VLLM_FST_SHARED_TABLES", "0")
     a_built = _fresh(smol)
     canonical_helper(a_built, trie_for(a_built))
