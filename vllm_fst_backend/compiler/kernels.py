@@ -626,14 +626,7 @@ def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
     E = gs.shape[0]
     for r in range(spec_group.shape[0]):
         g = spec_group[r]
-        lo = 0
-        hi = E
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if gs[mid] < g:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = np.searchsorted(gs, g)
         if lo >= E or gs[lo] != g:
             continue
         t = ts[lo]
@@ -664,10 +657,19 @@ def allows_some(bt, row, words, k_arr, out):
     rem = np.empty(n, np.int64)
     for i in range(n):
         rem[i] = i
-    nrem = n
+    _clear_by_words(bt, row, words, k_arr, rem, n, out)
+
+
+@_jit
+def _clear_by_words(bt, row, words, k_arr, rem, nrem, out):
+    """The loop of :func:`allows_some` over the classes ``k_arr[rem[:nrem]]`` (``rem`` is reordered)."""
     for wi in range(words.shape[0]):
+        if nrem == 0:
+            break
         w = words[wi]
         rw = row[w]
+        if rw == 0:
+            continue
         j = 0
         for r in range(nrem):
             i = rem[r]
@@ -677,8 +679,6 @@ def allows_some(bt, row, words, k_arr, out):
                 rem[j] = i
                 j += 1
         nrem = j
-        if nrem == 0:
-            break
 
 
 @_jit
@@ -723,22 +723,7 @@ def grouped_allows_some(bt, row, words, nd_ptr, nd_tok, groups, k_arr, k_u, out)
                 row[t >> 5] &= ~bit
                 cleared[nc] = t
                 nc += 1
-        for wi in range(words.shape[0]):
-            if nrem == 0:
-                break
-            w = words[wi]
-            rw = row[w]
-            if rw == 0:
-                continue
-            j2 = 0
-            for r in range(nrem):
-                i = rem[r]
-                if ((~bt[w, k_arr[i]]) & rw) != 0:
-                    out[i] = True
-                else:
-                    rem[j2] = i
-                    j2 += 1
-            nrem = j2
+        _clear_by_words(bt, row, words, k_arr, rem, nrem, out)
         for x in range(nc):
             t = cleared[x]
             row[t >> 5] |= np.int32(1) << np.int32(t & 31)
@@ -810,14 +795,7 @@ def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, 
             f = 0
             for x in range(nd_ptr[g], nd_ptr[g + 1]):
                 t = nd_tok[x]
-                lo = 0
-                hi = n
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if id_tok[mid] < t:
-                        lo = mid + 1
-                    else:
-                        hi = mid
+                lo = np.searchsorted(id_tok, t)
                 if lo < n and id_tok[lo] == t and dflt_j[id_r[lo]] >= 0:
                     found[f] = id_r[lo]
                     f += 1
