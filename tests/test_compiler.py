@@ -693,8 +693,6 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
             assert np.array_equal(outs[0], outs[1]), (regex, s, sig)
             assert not (outs[0] & ~o2).any()  # (a subset of the tokens clears a subset of the classes)
             # the regular-like tokens: the kernel against packed rows per group (allows_some_numpy)
-            if H.nd_ptr is None:  # (no context-dependent tokens: Mistral v1)
-                continue
             from vllm_fst_backend.compiler import kernels
 
             good = rng.random(len(vt)) < 0.7
@@ -706,7 +704,7 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
             assert np.array_equal(row, row0)  # (restored)
             o4 = np.zeros(len(k_arr), dtype=bool)
             for u, g in enumerate(groups.tolist()):
-                w = vt[(dj >= 0) & good & H.ctx_default[np.maximum(dj, 0), g]]
+                w = vt[good & H.acts_regular(vt, dj, g)]
                 in_g = np.flatnonzero(k_u == u)
                 if len(w):
                     o4[in_g] = H.allows_some_numpy(cp._pack_ids(w, H.W), k_arr[in_g])

@@ -106,10 +106,8 @@ class CanonHelper:
         tclass: ``int32[V]``; banned: ``int32[C, W]``; start_row: ``int32[W]``;
         la_first: ``int64[V]``; j_of: ``int64[V]`` (whitespace-final index or -1);
         sigmas: list of the nσ distinct non-empty lookahead sets (ints), ``ALL`` first;
-        ctx_default: ``bool[n_ctx, n_groups]`` -- context-dependent token j reaches its own class in
-        context group g (all False when an index serves several tokens: they are then all tested
-        token by token, which is always exact); ``nd_ptr: int64[n_groups+1]``, ``nd_tok: int64[n]`` --
-        its exceptions (the tokens not reaching their own class) per group, as a CSR (None then);
+        nd_ptr: ``int64[n_groups+1]``, nd_tok: ``int64[n]`` -- per context group, the context-dependent
+        tokens that do not reach their own class there (a CSR; elsewhere they act like regular tokens);
         la_sets_idx: ``int64[C+1, J]`` -- index into ``sigmas`` of ``la_sets`` (-1 = empty set);
         sigma_rows: ``int32[nσ, W]`` -- tokens whose first character's lookahead class is in the set;
         sigma_la: ``bool[nσ, L]``; sigma_end: ``bool[nσ]``;
@@ -141,22 +139,14 @@ class CanonHelper:
         self.ctx_j = np.asarray(ctx).astype(np.int64) if ctx is not None else np.full(self.V, -1, np.int64)
         self.class_group = np.asarray(cf.class_group).astype(np.int64) if ctx is not None else np.zeros(self.C + 1, np.int64)
         self.ctx_classes = np.asarray(cf.ctx_classes).astype(np.int64) if ctx is not None else np.zeros((0, 1), np.int64)
-        # ctx_default[j, g]: the context-dependent token of index j reaches its own class (tclass) in
-        # context group g, i.e. acts there like a regular token (all False if an index serves several tokens)
+        # the context-dependent tokens that do not reach their own class (tclass) in a context group, per
+        # group, as a CSR of token ids (elsewhere they act like regular tokens; ~1.5 % of Tekken's pairs)
         has = np.flatnonzero(self.ctx_j >= 0)
         n_grp = max(int(self.class_group.max()) + 1 if len(self.class_group) else 1, self.ctx_classes.shape[1])
-        self.ctx_default = np.zeros((max(self.ctx_classes.shape[0], 1), n_grp), dtype=bool)
-        self.nd_ptr = self.nd_tok = None
-        if len(has) and len(np.unique(self.ctx_j[has])) == len(has):
-            tok_of_j = np.zeros(self.ctx_classes.shape[0], dtype=np.int64)
-            tok_of_j[self.ctx_j[has]] = has
-            self.ctx_default[: len(tok_of_j), : self.ctx_classes.shape[1]] = (
-                self.ctx_classes == self.tclass[tok_of_j].astype(np.int64)[:, None])
-            # the exceptions per context group, as a CSR of tokens (ctx_default is ~98 % True for Tekken)
-            gi, ji = np.nonzero(~self.ctx_default[: self.ctx_classes.shape[0]].T)
-            self.nd_ptr = np.zeros(n_grp + 1, dtype=np.int64)
-            np.cumsum(np.bincount(gi, minlength=n_grp), out=self.nd_ptr[1:])
-            self.nd_tok = tok_of_j[ji].astype(np.int64)
+        gi, vi = np.nonzero((self.ctx_classes[self.ctx_j[has]] != self.tclass[has].astype(np.int64)[:, None]).T)
+        self.nd_ptr = np.zeros(n_grp + 1, dtype=np.int64)
+        np.cumsum(np.bincount(gi, minlength=n_grp), out=self.nd_ptr[1:])
+        self.nd_tok = has[vi].astype(np.int64)
         la_sets = np.asarray(cf.la_sets).astype(np.uint64)
         vals = sorted(set(int(x) for x in np.unique(la_sets)) - {0, self.ALL})
         self.sigmas = [self.ALL] + vals
@@ -224,6 +214,14 @@ class CanonHelper:
             self.cls_boundary[row[row >= 0]] = True
             self.cls_mid[row[row >= 0]] = True
 
+    def acts_regular(self, toks: np.ndarray, dj: np.ndarray, g: int) -> np.ndarray:
+        """``bool[len(toks)]``: token ``toks[i]`` (context-dependent index ``dj[i]``, -1 for a token
+        not considered) reaches its own class in context group g (the reference of ``nd_ptr/nd_tok``)."""
+        out = np.zeros(len(toks), dtype=bool)
+        c = np.flatnonzero(dj >= 0)
+        out[c] = self.ctx_classes[dj[c], g] == self.tclass[toks[c]]
+        return out
+
     def _attach_filter(self, cf) -> None:
         """Views of the filter's own arrays (not stored by :mod:`.table_store`): the CSR of the banned
         sets (row k is contiguous: FactoredCanonical's row kernel reads it)."""
@@ -256,13 +254,13 @@ class CanonHelper:
     SHARED_ARRAYS = ("bt",)
 
     @classmethod
-    def from_tables(cls, cf, scalars: dict, arrays: dict) -> "CanonHelper":
+    def from_tables(cls, cf, scalars: dict, arrays: dict, copy: bool = True) -> "CanonHelper":
         """Inverse of :meth:`table_state` for the filter ``cf``: arrays named in :attr:`SHARED_ARRAYS`
         are used as given (e.g. copy-on-write memory maps: nothing writes into a helper after
-        construction), the others copied."""
+        construction), the others copied unless ``copy`` is False (arrays built in this process)."""
         h = cls.__new__(cls)
         h.__dict__.update(scalars)
-        h.__dict__.update({k: (a if k in cls.SHARED_ARRAYS else np.array(a)) for k, a in arrays.items()})
+        h.__dict__.update({k: (np.array(a) if copy and k not in cls.SHARED_ARRAYS else a) for k, a in arrays.items()})
         h._attach_filter(cf)
         return h
 
@@ -369,8 +367,8 @@ def canonical_helper(artifacts, trie) -> CanonHelper:
             if isinstance(getattr(artifacts, "manifest", None), dict) and getattr(artifacts, "fingerprint", None):
                 from .table_store import load_or_build
 
-                (scalars, arrays), _ = load_or_build("canon", artifacts, lambda: CanonHelper(cf, trie).table_state())
-                h = CanonHelper.from_tables(cf, scalars, arrays)
+                (scalars, arrays), how = load_or_build("canon", artifacts, lambda: CanonHelper(cf, trie).table_state())
+                h = CanonHelper.from_tables(cf, scalars, arrays, copy=how != "built")
             else:
                 h = CanonHelper(cf, trie)
             try:
@@ -651,14 +649,13 @@ class _Analysis:
             groups = cg[:1] if (cg == cg[0]).all() else np.flatnonzero(np.bincount(cg))
             dj = np.where(ctx_only, H.ctx_j[vt], -1)  # (-1: not a candidate for the regular-like test)
             k_u = np.searchsorted(groups, cg).astype(np.int64)  # each class's group, as an index of groups
-            if self.use_kernels and H.nd_ptr is not None:  # every group in one call
+            if self.use_kernels:  # every group in one call
                 row = _pack_ids(vt[ctx_only & good_t], H.W)
                 _kernels().grouped_allows_some(H.bt, row, np.flatnonzero(row), H.nd_ptr, H.nd_tok, groups,
                                                np.ascontiguousarray(k_arr, dtype=np.int64), k_u, out)
-            elif not self.use_kernels:
-                c = np.flatnonzero(ctx_only)
+            else:
                 for u in range(len(groups)):
-                    w = vt[c[H.ctx_default[dj[c], groups[u]] & good_t[c]]]
+                    w = vt[H.acts_regular(vt, dj, int(groups[u])) & good_t]
                     if len(w):
                         in_g = np.flatnonzero(k_u == u)
                         out[in_g[self._allows_some(_pack_ids(w, H.W), k_arr[in_g])]] = True
@@ -679,14 +676,14 @@ class _Analysis:
         """The per-pair path of :meth:`specials_clear` for the classes of ``k_arr`` not yet cleared in
         ``out`` (set in place; class i in context group ``groups[k_u[i]]``): tokens ``vt`` (→ regex states
         ``vg``, lookahead-token indices ``jw``) × classes, except the tokens that act like regular ones in
-        the class's group (``dj``: their ``ctx_j``, else -1; ``CanonHelper.ctx_default``). Numba kernel
+        the class's group (``dj``: their ``ctx_j``, else -1; :meth:`CanonHelper.acts_regular`). Numba kernel
         :func:`.kernels.pairs_clear` (per class, tokens in order until a good one), with the bad tables
         of the tokens' targets stacked per distinct tag. ``by_id``: ``(tokens of vt sorted by id, their
         positions in vt)`` when the caller has them (else computed here)."""
         H = self.H
         if not self.use_kernels:
             for u in range(len(groups)):
-                sel = ~((dj >= 0) & H.ctx_default[np.maximum(dj, 0), groups[u]])
+                sel = ~H.acts_regular(vt, dj, int(groups[u]))
                 self._pairs_clear_numpy(k_arr, np.flatnonzero(k_u == u), sig, vt[sel], vg[sel], jw[sel], out)
             return
         if not len(vt) or not len(k_arr):
@@ -715,10 +712,7 @@ class _Analysis:
         _kernels().pairs_clear(H.bt, H.tclass, H.ctx_j, H.ctx_classes, H.class_group, H.la_sets_idx, tabs, tab_of,
                                np.ascontiguousarray(vt, dtype=np.int64), np.ascontiguousarray(jw, dtype=np.int64),
                                np.ascontiguousarray(k_arr[live], dtype=np.int64),
-                               dj if H.nd_ptr is not None else np.full(len(vt), -1, dtype=np.int64),
-                               H.nd_ptr if H.nd_ptr is not None else np.zeros(1, np.int64),
-                               H.nd_tok if H.nd_tok is not None else np.zeros(0, np.int64),
-                               np.ascontiguousarray(by_id[0], dtype=np.int64), by_id[1], sub)
+                               dj, H.nd_ptr, H.nd_tok, np.ascontiguousarray(by_id[0], dtype=np.int64), by_id[1], sub)
         out[live[sub]] = True
 
     def _pairs_clear_numpy(self, k_arr: np.ndarray, idx: np.ndarray, sig: int, vt: np.ndarray, vg: np.ndarray,

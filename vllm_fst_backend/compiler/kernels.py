@@ -609,10 +609,10 @@ def canon_step(out_i32, row_i32, state, token, spec, key_lo, key_hi, key_of_s, t
 
 
 # --------------------------------------------------------------------------------------------------
-# warm-up
+# canonical product: one state's special tokens, dead-end analysis
 # --------------------------------------------------------------------------------------------------
 
-_WARM = False
+
 @_jit
 def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
     """The special-token table of one regex state (:meth:`.canonical_product.FactoredCanonical.
@@ -774,13 +774,10 @@ def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, 
     n = vt.shape[0]
     base = np.empty(n, np.int64)
     nb = 0
-    nc = 0
     for r in range(n):
         if dflt_j[r] < 0:
             base[nb] = r
             nb += 1
-        else:
-            nc += 1
     G = nd_ptr.shape[0] - 1
     ex_lo = np.full(G, -1, np.int64)
     ex_hi = np.full(G, -1, np.int64)
@@ -790,7 +787,7 @@ def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, 
             continue
         k = kk[i]
         g = class_group[k]
-        if nc > 0 and g < G and ex_lo[g] < 0:  # this group's exceptions present in vt, sorted by position r
+        if ex_lo[g] < 0:  # this group's exceptions present in vt, sorted by position r
             found = np.empty(nd_ptr[g + 1] - nd_ptr[g], np.int64)
             f = 0
             for x in range(nd_ptr[g], nd_ptr[g + 1]):
@@ -804,8 +801,8 @@ def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, 
             ex = np.concatenate((ex, found))
             ex_hi[g] = ex.shape[0]
         a = 0
-        b = ex_lo[g] if (nc > 0 and g < G) else 0
-        b_end = ex_hi[g] if (nc > 0 and g < G) else 0
+        b = ex_lo[g]
+        b_end = ex_hi[g]
         while a < nb or b < b_end:
             if b >= b_end or (a < nb and base[a] < ex[b]):
                 r = base[a]
@@ -818,6 +815,11 @@ def pairs_clear(bt, tclass, ctx_j, ctx_classes, class_group, la_sets_idx, tabs, 
                 break
 
 
+# --------------------------------------------------------------------------------------------------
+# warm-up
+# --------------------------------------------------------------------------------------------------
+
+_WARM = False
 _WARM_LOCK = threading.Lock()
 
 
