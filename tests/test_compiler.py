@@ -478,22 +478,50 @@ def _policies(arts):
     return ["all", "no_ascii_with_piece", "canonical"] if (np.asarray(arts.byte_fallback) >= 0).any() else ["all"]
 
 
+_TOOL_SCHEMA = {  # a tool-calling schema: bounded strings between many key literals (fine byte classes)
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 48}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                   "note": {"type": "string", "maxLength": 64}, "days": {"type": "integer"}},
+    "required": ["city", "unit"],
+}
+
+
 @pytest.mark.parametrize("name", ["smollm2", "mistral_v1", "tekken"])
-def test_token_dfa_numba_equals_numpy(built_artifacts, name):
+def test_token_dfa_numba_equals_numpy(built_artifacts, name, monkeypatch):
     """The numba trie walk (kernels.py) gives exactly the numpy path's TokenDFA (same arrays: states,
     accepting, edge CSR, token groups, byte states) on a corpus of regexes, for every byte policy of
-    the tokenizer (SentencePiece: byte fallback and the canonical byte policy)."""
+    the tokenizer (SentencePiece: byte fallback and the canonical byte policy): with the counter-chain
+    shortcut of pass 1 as configured (it must serve the tool schema), and forced on every chain source."""
+    from vllm_fst_backend.compiler import token_dfa
+    from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
     from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_table, regex_to_char_dfa
     from vllm_fst_backend.compiler.token_trie import trie_for
 
     arts = _quick_arts(built_artifacts, name)
     trie = trie_for(arts)
-    for regex in KERNEL_REGEXES:
-        bdfa = byte_dfa_table(regex_to_char_dfa(regex, prepend_space=bool(arts.prepend_space)))
-        for policy in _policies(arts):
-            ref, fast = _both_backends(bdfa, trie, policy, deadline=time.perf_counter() + 120)
-            assert not isinstance(ref, type), (regex, policy, ref)
-            assert _token_dfa_diff(ref, fast) is None, (regex, policy, _token_dfa_diff(ref, fast))
+    used = []
+    real = token_dfa._FusedWalk._variant
+
+    def spy(self, xk):
+        v = real(self, xk)
+        used.append(v is not None)
+        return v
+
+    monkeypatch.setattr(token_dfa._FusedWalk, "_variant", spy)
+    tool = json_schema_to_regex(_TOOL_SCHEMA)
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(token_dfa._FusedWalk, "_CHAIN_MIN_VISITS", 0)
+            monkeypatch.setattr(token_dfa._FusedWalk, "_CHAIN_MAX_SHARE", 1.0)
+        for regex in ([tool] + KERNEL_REGEXES) if forced else [tool, _JSON_LIKE, _POKEDEX_LIKE]:
+            used.clear()
+            bdfa = byte_dfa_table(regex_to_char_dfa(regex, prepend_space=bool(arts.prepend_space)))
+            for policy in _policies(arts):
+                ref, fast = _both_backends(bdfa, trie, policy, deadline=time.perf_counter() + 120)
+                assert not isinstance(ref, type), (regex, policy, ref)
+                assert _token_dfa_diff(ref, fast) is None, (regex, policy, forced, _token_dfa_diff(ref, fast))
+            if regex is tool:
+                assert any(used), (name, forced)  # the shortcut served the schema's strings
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
@@ -638,6 +666,45 @@ def test_deadend_entering_classes_exact(fst_artifacts, monkeypatch, name, regex,
             x = y1
 
 
+def _check_setup_kernels(an):
+    """The analysis' set-up kernels against numpy: tokens by group (a stable argsort), the witness
+    table (a lexsort: lowest estimated ban count, lowest id on ties), the classes of each group (a
+    unique over (group, class) pairs) and the (σ, class) pairs that occur (a loop over tokens)."""
+    from vllm_fst_backend.compiler import kernels
+
+    H, M = an.H, an.M
+    tg = M.token_group
+    toks = np.flatnonzero(tg >= 0)
+    assert np.array_equal(an.g_toks, toks[np.argsort(tg[toks], kind="stable")])
+    assert np.array_equal(an.g_ptr[1:], np.cumsum(np.bincount(tg[toks], minlength=an.G)))
+    reg = np.flatnonzero(an.regular & (tg >= 0) & (H.la_first >= 0))
+    ref = np.full((an.G, max(H.L, 1)), -1, dtype=np.int32)
+    o = np.lexsort((H.est_ban[reg], H.la_first[reg], tg[reg]))
+    r = reg[o]
+    key = tg[r].astype(np.int64) * max(H.L, 1) + H.la_first[r]
+    sel = r[np.concatenate([[True], key[1:] != key[:-1]])]
+    ref[tg[sel], H.la_first[sel]] = sel
+    assert np.array_equal(an._witness_table(), ref)
+    assert (ref >= 0).any()
+    ptr, cls = kernels.group_classes(an.g_toks, an.g_ptr, an.tclass_safe.astype(np.int64), H.ctx_j,
+                                     np.ascontiguousarray(H.ctx_classes, dtype=np.int64), H.C)
+    for g in range(0, an.G, max(1, an.G // 50)):
+        tk = an.g_toks[an.g_ptr[g] : an.g_ptr[g + 1]]
+        want = [an.tclass_safe[tk].astype(np.int64)]
+        for j in H.ctx_j[tk][H.ctx_j[tk] >= 0].tolist():
+            row = H.ctx_classes[j].astype(np.int64)
+            want.append(np.where(row < 0, row + H.C, row))
+        got = cls[ptr[g] : ptr[g + 1]]
+        assert len(got) == len(set(got.tolist())) and np.array_equal(np.sort(got), np.unique(np.concatenate(want)))
+    occurs = np.zeros_like(H.sigma_cls)
+    occurs[0] = True
+    for v in np.flatnonzero((H.j_of >= 0) & (H.tclass >= 0)).tolist():
+        cs = H.next_cls_matrix(np.arange(H.C + 1), np.array([v]))[0]  # the class v reaches from each k
+        i = H.la_sets_idx[:, H.j_of[v]]  # the lookahead set it leaves from each k
+        occurs[i[i > 0], cs[i > 0]] = True
+    assert not (occurs & ~H.sigma_cls).any()  # every (σ, class) pair that occurs is kept
+
+
 _MEMBER = r'"[a-z]{1,8}"[ ]?:[ ]?("[^"\\]{0,12}"|\d{1,3})'
 _SMALL_OBJECT = r"\{[ ]?(" + _MEMBER + r"([ ]?,[ ]?" + _MEMBER + r"){0,2})?[ ]?\}"
 
@@ -659,6 +726,7 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
             assert np.array_equal(a, b), (regex, s)
     assert np.array_equal(fast.tag, ref.tag)
     H = fast.H
+    _check_setup_kernels(fast)
     # the kernels against their numpy references on the analysis' own rows and random class sets
     rng = np.random.default_rng(0)
     for s in range(0, fast.M.num_states, max(1, fast.M.num_states // 8)):

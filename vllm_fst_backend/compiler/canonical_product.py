@@ -110,7 +110,8 @@ class CanonHelper:
         tokens that do not reach their own class there (a CSR; elsewhere they act like regular tokens);
         la_sets_idx: ``int64[C+1, J]`` -- index into ``sigmas`` of ``la_sets`` (-1 = empty set);
         sigma_rows: ``int32[nσ, W]`` -- tokens whose first character's lookahead class is in the set;
-        sigma_la: ``bool[nσ, L]``; sigma_end: ``bool[nσ]``;
+        sigma_la: ``bool[nσ, L]``; sigma_end: ``bool[nσ]``; sigma_cls: ``bool[nσ, C]`` -- the classes that
+        occur together with each lookahead set (:meth:`_sigma_classes`);
         est_ban: ``int32[V]`` -- estimated number of classes banning each token (sampled), for witnesses;
         acc: ``int32[n_acc, 256]`` byte-fallback character acceptor (``None`` without byte fallback);
         bf_tok: ``int32[256]``; tok_bf_byte: ``int32[V]`` (-1 for non-byte tokens).
@@ -163,12 +164,7 @@ class CanonHelper:
         for i in range(len(self.sigmas)):
             for c in np.flatnonzero(self.sigma_la[i]).tolist():
                 self.sigma_rows[i] |= la_rows[c]
-        ws = (self.j_of >= 0) & (self.tclass >= 0)
-        self.ws_class_mask = np.zeros(self.C, dtype=bool)
-        self.ws_class_mask[self.tclass[ws & (self.ctx_j < 0)]] = True
-        for j2 in np.unique(self.ctx_j[ws & (self.ctx_j >= 0)]).tolist():
-            row = self.ctx_classes[j2]
-            self.ws_class_mask[row[row >= 0]] = True
+        self.sigma_cls = self._sigma_classes()
         lf = self.la_first
         self.sigma_tok = np.stack([(lf >= 0) & self.sigma_la[i][np.maximum(lf, 0)] for i in range(len(self.sigmas))])
         self.sigma_full = np.array([bool(self.sigma_la[i].all()) for i in range(len(self.sigmas))], dtype=bool)
@@ -213,6 +209,34 @@ class CanonHelper:
             row = self.ctx_classes[j2]
             self.cls_boundary[row[row >= 0]] = True
             self.cls_mid[row[row >= 0]] = True
+
+    def _sigma_classes(self) -> np.ndarray:
+        """``bool[nσ, C]``: the classes a product state can hold together with lookahead set σ. Row 0
+        (``ALL``) is every class. A set σ != ALL is only entered by a whitespace-final token v, from some
+        previous class k, with σ = ``la_sets[k, j(v)]`` and the class v reaches (``tclass[v]``; for a
+        context-dependent v any of its ``ctx_classes``): row i holds the classes of the whitespace-final
+        tokens v for which some k gives σ_i. Pairs outside it never occur, so the dead-end analysis need
+        not decide them (most of its row scans were such pairs: a whitespace class with the lookahead
+        set of another whitespace token)."""
+        nsig = len(self.sigmas)
+        out = np.zeros((nsig, self.C), dtype=bool)
+        out[0] = True
+        J = self.la_sets_idx.shape[1]
+        present = np.zeros((J, nsig), dtype=bool)  # present[j, i]: some previous class gives σ_i to index j
+        for i in range(1, nsig):
+            present[:, i] = (self.la_sets_idx == i).any(axis=0)
+        ws = np.flatnonzero((self.j_of >= 0) & (self.tclass >= 0))
+        for v in ws.tolist():
+            sig = np.flatnonzero(present[self.j_of[v]])
+            if not len(sig):
+                continue
+            if self.ctx_j[v] >= 0:
+                cs = self.ctx_classes[self.ctx_j[v]]
+                cs = cs[cs >= 0]
+            else:
+                cs = self.tclass[v : v + 1]
+            out[np.ix_(sig, cs)] = True
+        return out
 
     def acts_regular(self, toks: np.ndarray, dj: np.ndarray, g: int) -> np.ndarray:
         """``bool[len(toks)]``: token ``toks[i]`` (context-dependent index ``dj[i]``, -1 for a token
@@ -464,11 +488,7 @@ class _Analysis:
         G = M.num_groups
         self.G = G
         # tokens per group
-        toks = np.flatnonzero(tg >= 0).astype(np.int64)
-        order = np.argsort(tg[toks], kind="stable")
-        self.g_toks = toks[order]
-        self.g_ptr = np.zeros(G + 1, dtype=np.int64)
-        np.cumsum(np.bincount(tg[self.g_toks], minlength=G), out=self.g_ptr[1:])
+        self.g_toks, self.g_ptr = _kernels().group_tokens(np.ascontiguousarray(tg, dtype=np.int32), G)
         # token categories
         valid = H.tclass >= 0
         is_bf = H.tok_bf_byte >= 0
@@ -521,15 +541,10 @@ class _Analysis:
         """``int32[G, L]``: the best witness per (group, lookahead class): the regular token of the group
         with that first lookahead class and the lowest estimated ban count (-1: none)."""
         H, tg = self.H, self.M.token_group
-        reg = np.flatnonzero(self.regular & (tg >= 0) & (H.la_first >= 0))
         best = np.full((self.G, max(H.L, 1)), -1, dtype=np.int32)
-        if len(reg):
-            o = np.lexsort((H.est_ban[reg], H.la_first[reg], tg[reg]))
-            r = reg[o]
-            key = tg[r].astype(np.int64) * max(H.L, 1) + H.la_first[r]
-            first = np.concatenate([[True], key[1:] != key[:-1]])
-            sel = r[first]
-            best[tg[sel], H.la_first[sel]] = sel
+        ok = self.regular & (tg >= 0) & (H.la_first >= 0)
+        _kernels().witness_table(ok, np.ascontiguousarray(tg, dtype=np.int32), H.la_first,
+                                 np.ascontiguousarray(H.est_ban, dtype=np.int32), best)
         return best
 
     # memo tables of the analysis itself (rebuilt on demand): not part of the pickled state
@@ -666,6 +681,34 @@ class _Analysis:
                 break
             out[idx[self.opening_byte_ok(k_arr[idx], v, t)]] = True
         return out
+
+    _MAX_WITNESSES = 12
+
+    def _witness_clear(self, cand: np.ndarray, wc: np.ndarray, tt: np.ndarray, tab: np.ndarray,
+                       las: np.ndarray) -> None:
+        """Clear in ``cand`` (``bool[C]``) the classes that some witness proves good: a token ``wc[e, l]``
+        (the best of edge e's group with lookahead class ``l`` in ``las``; ``wc: int32[E, L]``, -1 none)
+        whose successor is good for its class (``tt[e]``: the target's tag, ``tab``: the tag table),
+        the :attr:`_MAX_WITNESSES` of lowest estimated ban count; a class not banning one is good."""
+        H = self.H
+        idx = np.flatnonzero(cand)
+        if self.use_kernels:
+            n_w, n_left = _kernels().witness_clear(H.bt, wc, tt, tab, self.tclass_safe, las, H.est_ban,
+                                                   self._MAX_WITNESSES, idx)
+            if n_w:
+                cand[:] = False
+                cand[idx[:n_left]] = True
+            return
+        w64 = wc.astype(np.int64)
+        okw = (w64 >= 0) & ~tab[tt[:, None], self.tclass_safe[np.maximum(w64, 0)]]
+        w = w64[:, las][okw[:, las]]
+        if not len(w):
+            return
+        w = np.unique(w)
+        for x in w[np.argsort(H.est_ban[w], kind="stable")[: self._MAX_WITNESSES]].tolist():
+            idx = idx[((H.bt[x >> 5, idx] >> (x & 31)) & 1).astype(bool)]
+        cand[:] = False
+        cand[idx] = True
 
     def _allows_some(self, row: np.ndarray, k_arr: np.ndarray) -> np.ndarray:
         H = self.H
@@ -1041,19 +1084,8 @@ class _Analysis:
         S, C = M.num_states, H.C
         # the classes of each group's tokens (context-dependent tokens: every class they can reach;
         # negative ones index like numpy's), as a CSR over groups
-        toks = self.g_toks
-        gk = [np.repeat(np.arange(self.G, dtype=np.int64), self.g_size) * C + self.tclass_safe[toks]]
-        cj = H.ctx_j[toks]
-        ctx = np.flatnonzero(cj >= 0)
-        if len(ctx):
-            reach = H.ctx_classes[cj[ctx]].astype(np.int64)
-            reach = np.where(reach < 0, reach + C, reach)
-            g_ctx = np.searchsorted(self.g_ptr, ctx, side="right") - 1
-            gk.append((g_ctx[:, None] * C + reach).ravel())
-        gk = np.unique(np.concatenate(gk))
-        gc_ptr = np.zeros(self.G + 1, dtype=np.int64)
-        np.cumsum(np.bincount(gk // C, minlength=self.G), out=gc_ptr[1:])
-        g_cls = gk % C
+        gc_ptr, g_cls = _kernels().group_classes(self.g_toks, self.g_ptr, self.tclass_safe.astype(np.int64), H.ctx_j,
+                                                 np.ascontiguousarray(H.ctx_classes, dtype=np.int64), C)
         # per state: the union over the edges into it
         en = M.edge_next.astype(np.int64)
         n_in = np.bincount(en, weights=self.g_size[M.edge_group], minlength=S)
@@ -1106,12 +1138,9 @@ class _Analysis:
         # (target state, its class, ALL) is good
         if self.best is None:
             self.best = self._witness_table()
-        wc = self.best[gs].astype(np.int64)  # [E, L]
-        okw = wc >= 0
+        wc = self.best[gs]  # int32[E, L]
         tt = self.tag[ts]
-        if okw.any() and (tt != 0).any():
-            tab = self._tag_table()
-            okw &= ~tab[tt[:, None], self.tclass_safe[np.maximum(wc, 0)]]
+        tab = self._tag_table()
         specials = None
         full_row = None
         for i in range(self.nsig):
@@ -1124,22 +1153,12 @@ class _Analysis:
             # so k is the class of one: other classes are irrelevant there (left good)
             cand = base_cand.copy()
             if i != 0:
-                cand &= H.ws_class_mask
+                cand &= H.sigma_cls[i]  # (σ_i, k) pairs that occur
             if not cand.any():
                 continue
             if len(las):
-                w = wc[:, las][okw[:, las]]
-                if len(w):
-                    w = np.unique(w)
-                    w = w[np.argsort(H.est_ban[w], kind="stable")[:12]]
-                    # the classes still undecided, as indices: each witness keeps those banning it
-                    idx = np.flatnonzero(cand)
-                    for x in w.tolist():
-                        idx = idx[((H.bt[x >> 5, idx] >> (x & 31)) & 1).astype(bool)]
-                        if not len(idx):
-                            break
-                    cand[:] = False
-                    cand[idx] = True
+                # a few witnesses (good successor, rarely banned): each keeps the classes banning it
+                self._witness_clear(cand, wc, tt, tab, las)
             if cand.any():
                 if full_row is None:
                     full_row = self.regular_row_packed(s)

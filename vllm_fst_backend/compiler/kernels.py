@@ -18,6 +18,8 @@ each kernel reproduces one numpy step of the reference path exactly, see the fun
   states reached and, per group, hash sums of its (source, next state) pairs (merging groups with
   identical behaviour without storing the pairs); then, on the trie restricted to one class node per
   merged group (:func:`prune_trie`), the merged edges;
+* :func:`chain_info`, :func:`chain_sums` -- pass 1 for the tokens that stay in one counter chain
+  (bounded strings, free text), per token length instead of per group;
 * :func:`finish` -- trim (reachable and co-reachable) and BFS renumbering.
 
 Factored canonical product (:mod:`.canonical_product`, 004 Eq. 5 / §6.5):
@@ -37,8 +39,8 @@ import numba
 import numpy as np
 
 __all__ = [
-    "class_trie", "walk_class_trie", "prune_trie", "unique_states", "finish",
-    "canon_row", "canon_step", "spec_table", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
+    "class_trie", "walk_class_trie", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
+    "canon_row", "canon_step", "spec_table", "group_tokens", "group_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -238,6 +240,100 @@ def walk_class_trie(kid_ptr, kids, byte_of_cnode, group_of_node, table, sources,
                 st_end[top] = hi
         i += 1
     return i, n_out
+
+
+@_jit
+def chain_info(tab, sources, csize, min_bytes, max_depth):
+    """Counter chains of the walk's sources (``token_dfa._FusedWalk``): for source ``q = sources[i]``, X
+    is the set of byte classes leading to q's most common successor (by bytes: ``csize[k]`` = bytes in
+    class k); q is a chain source when X holds at least ``min_bytes`` bytes and, from q, every class of
+    X keeps leading to one same state: ``q = q_0 -X-> q_1 -X-> ... -X-> q_m`` with X rejected at ``q_m``
+    (or ``m = max_depth``). Then every token spelled in X only, of length ``L <= m``, leads from q to
+    ``q_L``, whatever its bytes (inside a bounded JSON string or free text, most tokens).
+
+    Args:
+        tab: ``int32[n, K]`` byte DFA by byte class (-1 reject); sources: ``int32[n_src]``;
+        csize: ``int64[K]``; min_bytes, max_depth: ints.
+
+    Returns:
+        ``(xm bool[n_src, K], m int64[n_src], cq int32[n_src, max_depth + 1])``: the classes X (all False
+        and ``m = -1`` for a source that is not a chain source), the chain length and the chain's states
+        ``cq[i, :m + 1]``.
+    """
+    n = sources.shape[0]
+    K = tab.shape[1]
+    xm = np.zeros((n, K), np.bool_)
+    m = np.full(n, -1, np.int64)
+    cq = np.full((n, max_depth + 1), -1, np.int32)
+    acc = np.zeros(tab.shape[0], np.int64)
+    for i in range(n):
+        q = sources[i]
+        for k in range(K):
+            r = tab[q, k]
+            if r >= 0:
+                acc[r] += csize[k]
+        best_r = -1
+        best_b = 0
+        for k in range(K):  # (first class wins ties: deterministic)
+            r = tab[q, k]
+            if r >= 0 and acc[r] > best_b:
+                best_b = acc[r]
+                best_r = r
+        for k in range(K):
+            r = tab[q, k]
+            if r >= 0:
+                acc[r] = 0
+        if best_r < 0 or best_b < min_bytes:
+            continue
+        for k in range(K):
+            xm[i, k] = tab[q, k] == best_r
+        cur = q
+        cq[i, 0] = q
+        j = 0
+        ok = True
+        while j < max_depth:
+            first = -2
+            for k in range(K):
+                if xm[i, k]:
+                    t = tab[cur, k]
+                    if first == -2:
+                        first = t
+                    elif t != first:
+                        ok = False
+                        break
+            if not ok or first < 0:
+                break
+            cur = first
+            j += 1
+            cq[i, j] = cur
+        if ok:
+            m[i] = j
+        else:
+            for k in range(K):
+                xm[i, k] = False
+            for x in range(max_depth + 1):
+                cq[i, x] = -1
+    return xm, m, cq
+
+
+@_jit
+def chain_sums(h, sources, m, cq, has_depth, U, reached):
+    """Pass 1 of the walk for the X-only tokens of chain sources (:func:`chain_info`), per token length
+    instead of per group: every X-only group of length L gets the pair ``(q, q_L)`` from each chain
+    source q with ``m >= L``, so ``U[0, L]``, ``U[1, L]`` (``uint64``, wrapping) accumulate the pair hashes
+    of :func:`walk_class_trie` and ``U[2, L]`` their number, for the lengths with ``has_depth[L]`` (some
+    X-only group has that length); ``reached[q_L]`` is set for those."""
+    one = np.uint64(1)
+    for i in range(sources.shape[0]):
+        q0 = sources[i]
+        for L in range(1, m[i] + 1):
+            if not has_depth[L]:
+                continue
+            q2 = cq[i, L]
+            U[0, L] += h[0, q0] * (h[1, q2] | one) + h[2, q2]
+            U[1, L] += h[3, q0] * (h[4, q2] | one) + h[5, q2]
+            U[2, L] += one
+            reached[q2] = True
 
 
 @_jit
@@ -647,6 +743,139 @@ def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
 
 
 @_jit
+def group_tokens(token_group, G):
+    """Tokens by group (a counting sort): ``(g_toks int64[n], g_ptr int64[G+1])`` -- the tokens ``v``
+    with ``token_group[v] >= 0``, by group, ascending ids within a group (= a stable argsort of
+    ``token_group``); group g's tokens are ``g_toks[g_ptr[g]:g_ptr[g+1]]``."""
+    g_ptr = np.zeros(G + 1, np.int64)
+    for v in range(token_group.shape[0]):
+        g = token_group[v]
+        if g >= 0:
+            g_ptr[g + 1] += 1
+    for g in range(G):
+        g_ptr[g + 1] += g_ptr[g]
+    fill = g_ptr[:G].copy()
+    g_toks = np.empty(g_ptr[G], np.int64)
+    for v in range(token_group.shape[0]):
+        g = token_group[v]
+        if g >= 0:
+            g_toks[fill[g]] = v
+            fill[g] += 1
+    return g_toks, g_ptr
+
+
+@_jit
+def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_classes, C):
+    """The classes of each group's tokens (:meth:`.canonical_product._Analysis._entering_table`), as a
+    CSR ``(ptr int64[G+1], classes int64[n])``, each class once per group (in first-seen order): the
+    class ``tclass[v]`` of each token and, for a context-dependent token (``ctx_j[v] >= 0``), every
+    class of ``ctx_classes[ctx_j[v]]`` (a negative entry ``c`` read as ``c + C``, as numpy indexes)."""
+    G = g_ptr.shape[0] - 1
+    stamp = np.full(C, -1, np.int64)
+    n = 0
+    for g in range(G):  # pass 1: sizes
+        for x in range(g_ptr[g], g_ptr[g + 1]):
+            v = g_toks[x]
+            c = tclass[v]
+            if stamp[c] != g:
+                stamp[c] = g
+                n += 1
+            j = ctx_j[v]
+            if j >= 0:
+                for r in range(ctx_classes.shape[1]):
+                    c = ctx_classes[j, r]
+                    if c < 0:
+                        c += C
+                    if stamp[c] != g:
+                        stamp[c] = g
+                        n += 1
+    ptr = np.zeros(G + 1, np.int64)
+    out = np.empty(n, np.int64)
+    stamp[:] = -1
+    m = 0
+    for g in range(G):  # pass 2: the classes
+        for x in range(g_ptr[g], g_ptr[g + 1]):
+            v = g_toks[x]
+            c = tclass[v]
+            if stamp[c] != g:
+                stamp[c] = g
+                out[m] = c
+                m += 1
+            j = ctx_j[v]
+            if j >= 0:
+                for r in range(ctx_classes.shape[1]):
+                    c = ctx_classes[j, r]
+                    if c < 0:
+                        c += C
+                    if stamp[c] != g:
+                        stamp[c] = g
+                        out[m] = c
+                        m += 1
+        ptr[g + 1] = m
+    return ptr, out
+
+
+@_jit
+def witness_table(ok, token_group, la_first, est_ban, out):
+    """Dead-end analysis witnesses (:meth:`.canonical_product._Analysis._witness_table`): for each
+    (group, lookahead class) the token ``v`` with ``ok[v]`` of lowest ``est_ban[v]`` (lowest id on ties),
+    written into ``out`` (``int32[G, L]``, filled with -1 by the caller). One pass over the vocabulary."""
+    for v in range(ok.shape[0]):
+        if not ok[v]:
+            continue
+        g = token_group[v]
+        c = la_first[v]
+        cur = out[g, c]
+        if cur < 0 or est_ban[v] < est_ban[cur]:
+            out[g, c] = v
+
+
+@_jit
+def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx):
+    """Dead-end analysis, the witness step of :meth:`.canonical_product._Analysis.state_bad` for one
+    lookahead set: the witnesses are the tokens ``wc[e, l]`` (``int32[E, L]``: the best token of edge e's
+    group per lookahead class, -1 none) for ``l`` in ``las`` whose successor is good (``tt[e]`` = the tag
+    of edge e's target, 0 = all good, else ``tab[tt[e], tclass[w]]`` says the token's class is bad
+    there); of these, the ``max_w`` with the lowest ``est_ban`` (lowest id on ties) are tried in that
+    order, and each keeps in ``idx`` (candidate class ids, ``int64``) only the classes that ban it
+    (``bt``: word-major banned bits ``int32[W, C]``). Returns ``(n_witnesses, n_left)``: the classes
+    left are ``idx[:n_left]`` (reordered in place, order kept)."""
+    E = wc.shape[0]
+    n = 0
+    cand = np.empty(E * las.shape[0], np.int64)
+    for e in range(E):
+        t = tt[e]
+        for li in range(las.shape[0]):
+            w = wc[e, las[li]]
+            if w < 0:
+                continue
+            if t != 0 and tab[t, tclass[w]]:
+                continue
+            cand[n] = w
+            n += 1
+    if n == 0:
+        return 0, idx.shape[0]
+    u = np.unique(cand[:n])
+    order = np.argsort(est_ban[u], kind="mergesort")
+    nw = min(max_w, u.shape[0])
+    m = idx.shape[0]
+    for r in range(nw):
+        if m == 0:
+            break
+        x = u[order[r]]
+        wd = x >> 5
+        bit = x & 31
+        j = 0
+        for i in range(m):
+            k = idx[i]
+            if (bt[wd, k] >> bit) & 1:
+                idx[j] = k
+                j += 1
+        m = j
+    return nw, m
+
+
+@_jit
 def allows_some(bt, row, words, k_arr, out):
     """Dead-end analysis (:meth:`.canonical_product.CanonHelper.allows_some`): set ``out[i]`` when class
     ``k_arr[i]`` bans not every token of the bit row ``row`` (``int32[W]``), i.e. some word ``w`` of
@@ -841,10 +1070,18 @@ def warm_up() -> None:
         kp, kids = prune_trie(np.array([-1], np.int32), np.array([1, 1], np.int64), np.ones(1, np.bool_))
         walk_class_trie(kp, kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, True, h, sums, i64[:1].copy(),
                         np.zeros(1, np.bool_), 1, i32.copy(), i32.copy(), i32.copy(), 0)
+        xm, m, cq = chain_info(table[:, :1].copy(), i32[:1], i64[:1], 1, 1)
+        chain_sums(h, i32[:1], m, cq, np.zeros(2, np.bool_), np.zeros((3, 2), np.uint64), np.zeros(1, np.bool_))
         unique_states(i32, 1)
         unique_states(i64, 1)
         finish(i64, i64, i64, np.ones(1, bool), 1)
         allows_some(np.zeros((1, 1), np.int32), i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
+        group_tokens(i32, 1)
+        witness_clear(np.zeros((1, 1), np.int32), np.full((1, 1), -1, np.int32), i64[:1], np.zeros((1, 1), np.bool_),
+                      i32, i64[:1], i32, 12, i64[:1].copy())
+        group_classes(np.zeros(1, np.int64), np.array([0, 1], np.int64), i64, np.full(2, -1, np.int64),
+                      np.zeros((1, 1), np.int64), 1)
+        witness_table(np.zeros(2, np.bool_), i32, i64, i32, np.full((1, 1), -1, np.int32))
         spec_table(i32[:1], i32[:1], i32[:1], np.zeros((1, 7), np.int64), i64[:1], i64[:1], np.zeros((1, 1), np.int64),
                    i32[:1], np.zeros((1, 7), np.int64))
         grouped_allows_some(np.zeros((1, 1), np.int32), i32[:1].copy(), i64[:1], np.zeros(2, np.int64), i64[:1],

@@ -320,7 +320,8 @@ def build_token_dfa(
             n_states += 1
         return j
 
-    fw = _FusedWalk(ct, group_of_cnode, rep_byte, table, G, deadline, max_edges) if fast else None
+    csize = np.bincount(bcls[bcls >= 0], minlength=K).astype(np.int64)
+    fw = _FusedWalk(ct, group_of_cnode, rep_byte, table, G, deadline, max_edges, csize) if fast else None
     new_plain(np.array([0], dtype=np.int64))
     # walk from every character boundary at once (usually all reachable; unreachable ones are dropped)
     new_plain(bdfa.char_entry.astype(np.int64))
@@ -406,19 +407,6 @@ def _class_trie_numba(trie: TokenTrie, bcls: np.ndarray, K: int, deadline: float
     return _ClassTrie(parent=parent, label=label, child_ptr=child_ptr, node_cid=cid)
 
 
-def _class_trie_depth(ct: _ClassTrie) -> int:
-    """Depth of the class trie: the DFS stack size of :func:`.kernels.walk_class_trie`. Nodes are numbered
-    level by level, so level d+1 is the child range of level d's node range. O(depth)."""
-    cp = ct.child_ptr
-    lo, hi, d = 0, 1, 0
-    while True:
-        nlo, nhi = int(cp[lo]), int(cp[hi])
-        if nhi <= nlo:
-            return d
-        d += 1
-        lo, hi = nlo, nhi
-
-
 _HASH_SALTS = (0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D, 0x9E3779B97F4A7C15,
                0xD1B54A32D192ED03, 0x8CB92BA72F3D8DD7)
 
@@ -463,9 +451,20 @@ class _FusedWalk:
     the automata with the numpy path's verified merge).
     """
 
+    # counter chains (:meth:`_chain_round`): sources whose chain classes hold at least this many bytes,
+    # when their full walks would visit at least _CHAIN_MIN_VISITS class-trie nodes in all (pruning costs
+    # about one pass over the class trie) and the pruned trie keeps at most _CHAIN_MAX_SHARE of it
+    use_chains = True
+    _CHAIN_MIN_BYTES = 16
+    _CHAIN_MIN_VISITS = 1 << 20
+    _CHAIN_MAX_SHARE = 0.5
+
     def __init__(self, ct: _ClassTrie, group_of_cnode: np.ndarray, rep_byte: np.ndarray, table: np.ndarray,
-                 G: int, deadline: float, max_edges: int):
+                 G: int, deadline: float, max_edges: int, csize: np.ndarray | None = None):
         self.ct = ct
+        self.csize = csize
+        self._variants: dict = {}
+        self._levels = None
         self.gc = np.ascontiguousarray(group_of_cnode, dtype=np.int32)
         # the kernels read the byte DFA by byte class: table[:, rep_byte] (n x K, a fraction of n x 256,
         # so the walk's random reads stay in cache) indexed by each class node's label
@@ -474,7 +473,7 @@ class _FusedWalk:
         self.nb = table.shape[0]
         self.deadline = deadline
         self.max_edges = max_edges
-        self.depth = _class_trie_depth(ct)
+        self.depth = self._depth_levels()  # (the DFS stack size of the walk kernel)
         self.h = np.stack(_state_hashes(np.arange(self.nb, dtype=np.int64)))  # uint64[6, nb]
         self.sums = np.zeros((2, max(G, 1)), dtype=np.uint64)
         self.cnt = np.zeros(max(G, 1), dtype=np.int64)
@@ -495,6 +494,8 @@ class _FusedWalk:
             return np.zeros(0, dtype=np.int64)
         src = np.ascontiguousarray(sources, dtype=np.int32)
         n_emit = 0
+        if self.use_chains and self.csize is not None:
+            src, n_emit = self._chain_round(src)
         i = 0
         while i < len(src):
             no = self._no_out  # (no kids: the whole class trie; no output buffers in pass 1)
@@ -502,10 +503,103 @@ class _FusedWalk:
                                            _WALK_CHUNK_VISITS, self.depth, False, self.h, self.sums, self.cnt,
                                            self.reached, 0, no, no, no, 0)
             n_emit += n
-            if n_emit > self.max_edges:
-                raise CompileBudgetError(f"token automaton exceeds {self.max_edges} group transitions", None)
-            self._check_deadline()
+            self._check_budget(n_emit)
         return np.flatnonzero(self.reached).astype(np.int64)
+
+    def _chain_round(self, src: np.ndarray) -> tuple[np.ndarray, int]:
+        """Pass 1 for the chain sources among ``src`` (:func:`.kernels.chain_info`: inside a bounded JSON
+        string or free text, the states from which every token spelled in the chain's classes X leads
+        to the state its length away). For those, the tokens spelled in X only are not walked: their
+        pairs ``(q, q_L)`` go into the hash sums once per length L (:func:`.kernels.chain_sums`; sums are
+        order-free, so the automaton is the same), and the class trie is walked only where a token
+        leaves X (pruned: ~2 % of it for a JSON string at SmolLM2). Returns the sources still to walk in
+        full (not chain sources, or X prunes too little) and the pairs counted."""
+        from . import kernels
+
+        M = len(self.ct.parent)
+        if len(src) * M < self._CHAIN_MIN_VISITS:
+            return src, 0
+        xm, m, cq = kernels.chain_info(self.tab, src, self.csize, self._CHAIN_MIN_BYTES, self.depth)
+        chain = np.flatnonzero(m >= 0)
+        if len(chain) * M < self._CHAIN_MIN_VISITS:
+            return src, 0
+        rest = [src[m < 0]]
+        n_emit = 0
+        keys, inv = np.unique(xm[chain], axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+        no = self._no_out
+        for v in range(len(keys)):
+            sel = chain[inv == v]
+            var = self._variant(keys[v]) if len(sel) * M >= self._CHAIN_MIN_VISITS else None
+            if var is None:
+                rest.append(src[sel])
+                continue
+            kid_ptr, kids, gc_mixed, pg_groups, pg_depth, n_pg = var
+            s_v = np.ascontiguousarray(src[sel])
+            i = 0
+            while i < len(s_v):  # the tokens leaving X, on the pruned trie (X-only nodes emit nothing)
+                i, n = kernels.walk_class_trie(kid_ptr, kids, self.byte_of_cnode, gc_mixed, self.tab, s_v, i,
+                                               _WALK_CHUNK_VISITS, self.depth, False, self.h, self.sums, self.cnt,
+                                               self.reached, 0, no, no, no, 0)
+                n_emit += n
+                self._check_budget(n_emit)
+            U = np.zeros((3, len(n_pg)), dtype=np.uint64)
+            kernels.chain_sums(self.h, s_v, np.ascontiguousarray(m[sel]), np.ascontiguousarray(cq[sel]), n_pg > 0,
+                               U, self.reached)
+            self.sums[0, pg_groups] += U[0, pg_depth]
+            self.sums[1, pg_groups] += U[1, pg_depth]
+            self.cnt[pg_groups] += U[2, pg_depth].astype(np.int64)
+            n_emit += int((U[2].astype(np.int64) * n_pg).sum())
+            self._check_budget(n_emit)
+        return np.ascontiguousarray(np.concatenate(rest)), n_emit
+
+    def _depth_levels(self) -> int:
+        """The class trie's depth (= the longest token, in bytes); fills ``_levels`` (the node id range
+        of each level) and ``_node_depth`` (``int64[M]``) on first use."""
+        if self._levels is None:
+            cp = self.ct.child_ptr
+            levels, lo, hi = [], 0, 1
+            while hi > lo:
+                levels.append((lo, hi))
+                lo, hi = int(cp[lo]), int(cp[hi])
+            self._levels = levels
+            self._node_depth = np.zeros(len(self.ct.parent), dtype=np.int64)
+            for d, (lo, hi) in enumerate(levels):
+                self._node_depth[lo:hi] = d
+        return len(self._levels) - 1
+
+    def _variant(self, xk: np.ndarray):
+        """For chain classes ``xk`` (``bool[K]``), memoized: ``(kid_ptr, kids, gc_mixed, pg_groups,
+        pg_depth, n_pg)`` -- the class trie pruned to the nodes on a path to a token leaving X, the
+        groups with the X-only nodes' groups removed, the X-only groups and their lengths, the number of
+        X-only groups per length; None when the pruned trie keeps more than ``_CHAIN_MAX_SHARE``."""
+        from . import kernels
+
+        key = xk.tobytes()
+        if key in self._variants:
+            return self._variants[key]
+        ct = self.ct
+        M = len(ct.parent)
+        pure = np.zeros(M, dtype=bool)  # spelled in X only (the root: the empty string)
+        pure[0] = True
+        for lo, hi in self._levels[1:]:
+            pure[lo:hi] = pure[ct.parent[lo:hi]] & xk[ct.label[lo:hi]]
+        keep = ~pure
+        res = None
+        if keep.sum() <= self._CHAIN_MAX_SHARE * M:
+            kid_ptr, kids = kernels.prune_trie(ct.parent, ct.child_ptr, keep)  # (+ the ancestors of kept nodes)
+            gc_mixed = np.where(pure, -1, self.gc).astype(np.int32)
+            pg = np.flatnonzero(pure & (self.gc >= 0))
+            pg_depth = self._node_depth[pg]
+            n_pg = np.bincount(pg_depth, minlength=len(self._levels)).astype(np.int64)
+            res = (kid_ptr, kids, gc_mixed, self.gc[pg].astype(np.int64), pg_depth, n_pg)
+        self._variants[key] = res
+        return res
+
+    def _check_budget(self, n_emit: int) -> None:
+        if n_emit > self.max_edges:
+            raise CompileBudgetError(f"token automaton exceeds {self.max_edges} group transitions", None)
+        self._check_deadline()
 
     def merge_and_emit(self, plain_id, kq_all, ka_all, skey, bf_s, bf_g, bf_n, token_group, G):
         """Merge the groups and emit the merged edges (pass 2). ``bf_s, bf_g, bf_n``: the byte-fallback
