@@ -686,8 +686,8 @@ def _check_setup_kernels(an):
     ref[tg[sel], H.la_first[sel]] = sel
     assert np.array_equal(an._witness_table(), ref)
     assert (ref >= 0).any()
-    ptr, cls = kernels.group_classes(an.g_toks, an.g_ptr, an.tclass_safe.astype(np.int64), H.ctx_j,
-                                     np.ascontiguousarray(H.ctx_classes, dtype=np.int64), H.C)
+    ptr, cls = kernels.group_classes(an.g_toks, an.g_ptr, an.tclass_safe.astype(np.int64), H.ctx_j, H.ctx_cls_ptr,
+                                     H.ctx_cls, H.C)
     for g in range(0, an.G, max(1, an.G // 50)):
         tk = an.g_toks[an.g_ptr[g] : an.g_ptr[g + 1]]
         want = [an.tclass_safe[tk].astype(np.int64)]
@@ -696,6 +696,14 @@ def _check_setup_kernels(an):
             want.append(np.where(row < 0, row + H.C, row))
         got = cls[ptr[g] : ptr[g + 1]]
         assert len(got) == len(set(got.tolist())) and np.array_equal(np.sort(got), np.unique(np.concatenate(want)))
+    if an._ent_ptr is not None:  # entering classes: per narrow state, the union over its incoming edges
+        for s in range(M.num_states):
+            if an._ent_wide[s]:
+                continue
+            into = np.flatnonzero(M.edge_next == s)
+            want = [cls[ptr[g] : ptr[g + 1]] for g in M.edge_group[into].tolist()]
+            want = np.unique(np.concatenate(want)) if want else np.zeros(0, np.int64)
+            assert np.array_equal(an.entering_classes(s), want), s
     occurs = np.zeros_like(H.sigma_cls)
     occurs[0] = True
     for v in np.flatnonzero((H.j_of >= 0) & (H.tclass >= 0)).tolist():
@@ -784,3 +792,30 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
                     m2 = list(fast.byte_moves_reference(s, k, 0, a))
                     assert m1 == m2, (regex, s, k, a)
                     assert fast._inner_any(s, k, 0, a) == any(ok for _, ok in m2)
+
+
+def test_sccs_are_components_in_reverse_topological_order():
+    """``canonical_product._sccs`` (the numba Tarjan) on random graphs against reachability: the
+    components partition the nodes, two nodes share one iff each reaches the other, and every edge
+    leads to the same component or to an earlier one (sinks first, the order the dead-end analysis
+    needs)."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        deg = rng.integers(0, 4, size=n)
+        ptr = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
+        nxt = rng.integers(0, n, size=int(ptr[-1])).astype(np.int32)
+        comps = cp._sccs(n, ptr, nxt)
+        assert sorted(x for c in comps for x in c) == list(range(n))
+        comp_of = np.empty(n, dtype=np.int64)
+        for i, c in enumerate(comps):
+            comp_of[c] = i
+        reach = np.eye(n, dtype=bool)
+        src = np.repeat(np.arange(n), deg)
+        reach[src, nxt] = True
+        for _k in range(n):  # transitive closure
+            reach = reach | (reach.astype(np.int64) @ reach.astype(np.int64) > 0)
+        assert np.array_equal(comp_of[:, None] == comp_of[None, :], reach & reach.T)
+        assert (comp_of[nxt] <= comp_of[src]).all()

@@ -18,7 +18,9 @@ product states per regex state, so the product is not enumerated; instead:
    ``bad[s]`` = the (lookahead set, class) pairs with which (s, 0, k, S) cannot reach acceptance
    (``None`` when there are none, the common case). Per state and lookahead set, all classes are
    tested at once: a few *witness* tokens (allowed at s, successor good, rarely banned) clear most
-   classes with one column read of ``banned_rows`` each; the remaining classes are checked exactly with
+   classes with one column read of ``banned_rows`` each (only the classes that can occur there: those
+   entering s, and for σ != ALL those of the whitespace-final tokens that leave σ,
+   :meth:`CanonHelper._sigma_classes`); the remaining classes are checked exactly with
    row operations (``rows AND ~banned AND lookahead rows``), then against the *special* tokens (below)
    in batches of a [tokens × classes] matrix (:meth:`_Analysis.specials_clear`: Tekken has ~14k
    context-dependent tokens; one by one they cost 25 s per free-text compile). States with equal
@@ -108,6 +110,8 @@ class CanonHelper:
         sigmas: list of the nσ distinct non-empty lookahead sets (ints), ``ALL`` first;
         nd_ptr: ``int64[n_groups+1]``, nd_tok: ``int64[n]`` -- per context group, the context-dependent
         tokens that do not reach their own class there (a CSR; elsewhere they act like regular tokens);
+        ctx_cls_ptr: ``int64[n_ctx+1]``, ctx_cls: ``int64[m]`` -- the distinct classes of each row of
+        ``ctx_classes`` (a CSR; a negative entry c read as c + C);
         la_sets_idx: ``int64[C+1, J]`` -- index into ``sigmas`` of ``la_sets`` (-1 = empty set);
         sigma_rows: ``int32[nσ, W]`` -- tokens whose first character's lookahead class is in the set;
         sigma_la: ``bool[nσ, L]``; sigma_end: ``bool[nσ]``; sigma_cls: ``bool[nσ, C]`` -- the classes that
@@ -148,6 +152,14 @@ class CanonHelper:
         self.nd_ptr = np.zeros(n_grp + 1, dtype=np.int64)
         np.cumsum(np.bincount(gi, minlength=n_grp), out=self.nd_ptr[1:])
         self.nd_tok = has[vi].astype(np.int64)
+        # the distinct classes each context-dependent token can reach (ctx_classes rows deduplicated, as a
+        # CSR; a negative entry read as numpy indexes it), for the entering classes of the analysis
+        wrapped = np.sort(np.where(self.ctx_classes < 0, self.ctx_classes + self.C, self.ctx_classes), axis=1)
+        first = np.ones(wrapped.shape, dtype=bool)
+        first[:, 1:] = wrapped[:, 1:] != wrapped[:, :-1]
+        self.ctx_cls_ptr = np.zeros(wrapped.shape[0] + 1, dtype=np.int64)
+        np.cumsum(first.sum(axis=1), out=self.ctx_cls_ptr[1:])
+        self.ctx_cls = wrapped[first].astype(np.int64)
         la_sets = np.asarray(cf.la_sets).astype(np.uint64)
         vals = sorted(set(int(x) for x in np.unique(la_sets)) - {0, self.ALL})
         self.sigmas = [self.ALL] + vals
@@ -408,55 +420,14 @@ def canonical_helper(artifacts, trie) -> CanonHelper:
 
 
 def _sccs(n: int, ptr: np.ndarray, nxt: np.ndarray) -> list[list[int]]:
-    """Tarjan's SCCs (iterative); returned sinks first (reverse topological order)."""
-    index = [-1] * n
-    low = [0] * n
-    on = [False] * n
-    stack: list[int] = []
-    out: list[list[int]] = []
+    """Tarjan's SCCs of the token DFA's state graph (:func:`.kernels.sccs`; successors deduplicated and
+    in ascending order), sinks first (reverse topological order)."""
     src = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
     pairs = np.unique(src * n + nxt.astype(np.int64))
-    ps, pt = pairs // n, pairs % n
-    cuts = np.searchsorted(ps, np.arange(n + 1))
-    pt_l = pt.tolist()
-    succ = [pt_l[cuts[s] : cuts[s + 1]] for s in range(n)]
-    counter = 0
-    for root in range(n):
-        if index[root] >= 0:
-            continue
-        work = [(root, 0)]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on[root] = True
-        while work:
-            v, i = work[-1]
-            if i < len(succ[v]):
-                work[-1] = (v, i + 1)
-                w = succ[v][i]
-                if index[w] < 0:
-                    index[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on[w] = True
-                    work.append((w, 0))
-                elif on[w]:
-                    low[v] = min(low[v], index[w])
-            else:
-                work.pop()
-                if work:
-                    u = work[-1][0]
-                    low[u] = min(low[u], low[v])
-                if low[v] == index[v]:
-                    comp = []
-                    while True:
-                        w = stack.pop()
-                        on[w] = False
-                        comp.append(w)
-                        if w == v:
-                            break
-                    out.append(comp)
-    return out
+    cuts = np.searchsorted(pairs // n, np.arange(n + 1)).astype(np.int64)
+    comp_ptr, nodes = _kernels().sccs(cuts, pairs % n)
+    nodes = nodes.tolist()
+    return [nodes[a:b] for a, b in zip(comp_ptr[:-1].tolist(), comp_ptr[1:].tolist())]
 
 
 class _Analysis:
@@ -674,7 +645,16 @@ class _Analysis:
                     if len(w):
                         in_g = np.flatnonzero(k_u == u)
                         out[in_g[self._allows_some(_pack_ids(w, H.W), k_arr[in_g])]] = True
-            self._pairs_clear(k_arr, k_u, groups, sig, vt, vg, jw, dj, out, by_id)
+            rem = np.flatnonzero(~out)
+            if len(rem) and len(vt) > self._PAIRS_PREFILTER_TOKENS:
+                # a class banning every one of these tokens is not cleared by any: one word-major scan
+                # of the banned bits (the classes left here are mostly such, and the per-pair path
+                # would read one banned bit per (class, token), at random)
+                rem = rem[self._allows_some(_pack_ids(vt, H.W), k_arr[rem])]
+            if len(rem):
+                sub = out[rem]
+                self._pairs_clear(k_arr[rem], k_u[rem], groups, sig, vt, vg, jw, dj, sub, by_id)
+                out[rem] = sub
         for v, t in zip(toks[inner].tolist(), tgts[inner].tolist()):
             idx = np.flatnonzero(~out)
             if not len(idx):
@@ -683,6 +663,7 @@ class _Analysis:
         return out
 
     _MAX_WITNESSES = 12
+    _PAIRS_PREFILTER_TOKENS = 256  # special tokens at a state above which specials_clear pre-filters classes
 
     def _witness_clear(self, cand: np.ndarray, wc: np.ndarray, tt: np.ndarray, tab: np.ndarray,
                        las: np.ndarray) -> None:
@@ -1085,7 +1066,7 @@ class _Analysis:
         # the classes of each group's tokens (context-dependent tokens: every class they can reach;
         # negative ones index like numpy's), as a CSR over groups
         gc_ptr, g_cls = _kernels().group_classes(self.g_toks, self.g_ptr, self.tclass_safe.astype(np.int64), H.ctx_j,
-                                                 np.ascontiguousarray(H.ctx_classes, dtype=np.int64), C)
+                                                 H.ctx_cls_ptr, H.ctx_cls, C)
         # per state: the union over the edges into it
         en = M.edge_next.astype(np.int64)
         n_in = np.bincount(en, weights=self.g_size[M.edge_group], minlength=S)
@@ -1097,13 +1078,8 @@ class _Analysis:
             over = np.cumsum(pairs[order]) > self._ENTERING_MAX_PAIRS
             wide[order[over]] = True
         sel = np.flatnonzero(~wide[en])
-        eg = M.edge_group[sel]
-        reps = n_cls[sel]
-        offs = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps)
-        uk = np.unique(np.repeat(en[sel], reps) * C + g_cls[np.repeat(gc_ptr[eg], reps) + offs])
-        ptr = np.zeros(S + 1, dtype=np.int64)
-        np.cumsum(np.bincount(uk // C, minlength=S), out=ptr[1:])
-        return ptr, uk % C, wide
+        ptr, cls = _kernels().entering_classes(en[sel], M.edge_group[sel].astype(np.int64), gc_ptr, g_cls, S, C)
+        return ptr, cls, wide
 
     def entering_classes(self, s: int) -> np.ndarray | None:
         """Sorted ``int64`` ids of the classes with which a token can enter regex state ``s`` (the class

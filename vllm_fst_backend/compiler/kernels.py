@@ -40,7 +40,7 @@ import numpy as np
 
 __all__ = [
     "class_trie", "walk_class_trie", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
-    "canon_row", "canon_step", "spec_table", "group_tokens", "group_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
+    "canon_row", "canon_step", "sccs", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -710,6 +710,76 @@ def canon_step(out_i32, row_i32, state, token, spec, key_lo, key_hi, key_of_s, t
 
 
 @_jit
+def sccs(cuts, succ):
+    """Tarjan's strongly connected components, iterative, of the graph whose node ``v`` has the
+    successors ``succ[cuts[v]:cuts[v+1]]`` (``int64``; visited in that order, roots in id order).
+    Returns ``(comp_ptr int64[n_comp+1], nodes int64[n])``: component c is ``nodes[comp_ptr[c]:
+    comp_ptr[c+1]]`` (in stack-pop order), components sinks first (reverse topological order)."""
+    n = cuts.shape[0] - 1
+    index = np.full(n, -1, np.int64)
+    low = np.zeros(n, np.int64)
+    on = np.zeros(n, np.bool_)
+    stack = np.empty(n, np.int64)
+    sp = 0
+    work_v = np.empty(n, np.int64)
+    work_i = np.empty(n, np.int64)
+    nodes = np.empty(n, np.int64)
+    comp_ptr = np.zeros(n + 1, np.int64)
+    n_out = 0
+    n_comp = 0
+    counter = 0
+    for root in range(n):
+        if index[root] >= 0:
+            continue
+        wp = 0
+        work_v[0] = root
+        work_i[0] = cuts[root]
+        index[root] = counter
+        low[root] = counter
+        counter += 1
+        stack[sp] = root
+        sp += 1
+        on[root] = True
+        while wp >= 0:
+            v = work_v[wp]
+            i = work_i[wp]
+            if i < cuts[v + 1]:
+                work_i[wp] = i + 1
+                w = succ[i]
+                if index[w] < 0:
+                    index[w] = counter
+                    low[w] = counter
+                    counter += 1
+                    stack[sp] = w
+                    sp += 1
+                    on[w] = True
+                    wp += 1
+                    work_v[wp] = w
+                    work_i[wp] = cuts[w]
+                elif on[w]:
+                    if index[w] < low[v]:
+                        low[v] = index[w]
+            else:
+                wp -= 1
+                if wp >= 0:
+                    u = work_v[wp]
+                    if low[v] < low[u]:
+                        low[u] = low[v]
+                if low[v] == index[v]:
+                    while True:
+                        sp -= 1
+                        w = stack[sp]
+                        on[w] = False
+                        nodes[n_out] = w
+                        n_out += 1
+                        if w == v:
+                            break
+                    n_comp += 1
+                    comp_ptr[n_comp] = n_out
+    return comp_ptr[: n_comp + 1], nodes
+
+
+@_jit
 def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
     """The special-token table of one regex state (:meth:`.canonical_product.FactoredCanonical.
     _fast_specials`): for each special token whose group ``spec_group[r]`` is among the state's edge
@@ -765,54 +835,72 @@ def group_tokens(token_group, G):
 
 
 @_jit
-def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_classes, C):
+def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_cls_ptr, ctx_cls, C):
     """The classes of each group's tokens (:meth:`.canonical_product._Analysis._entering_table`), as a
     CSR ``(ptr int64[G+1], classes int64[n])``, each class once per group (in first-seen order): the
     class ``tclass[v]`` of each token and, for a context-dependent token (``ctx_j[v] >= 0``), every
-    class of ``ctx_classes[ctx_j[v]]`` (a negative entry ``c`` read as ``c + C``, as numpy indexes)."""
+    class it can reach (``ctx_cls[ctx_cls_ptr[j]:ctx_cls_ptr[j+1]]``, j = ``ctx_j[v]``)."""
     G = g_ptr.shape[0] - 1
     stamp = np.full(C, -1, np.int64)
-    n = 0
-    for g in range(G):  # pass 1: sizes
-        for x in range(g_ptr[g], g_ptr[g + 1]):
-            v = g_toks[x]
-            c = tclass[v]
-            if stamp[c] != g:
-                stamp[c] = g
-                n += 1
-            j = ctx_j[v]
-            if j >= 0:
-                for r in range(ctx_classes.shape[1]):
-                    c = ctx_classes[j, r]
-                    if c < 0:
-                        c += C
-                    if stamp[c] != g:
-                        stamp[c] = g
-                        n += 1
+    out = np.empty(16, np.int64)
     ptr = np.zeros(G + 1, np.int64)
-    out = np.empty(n, np.int64)
-    stamp[:] = -1
     m = 0
-    for g in range(G):  # pass 2: the classes
+    for g in range(G):
         for x in range(g_ptr[g], g_ptr[g + 1]):
             v = g_toks[x]
-            c = tclass[v]
-            if stamp[c] != g:
-                stamp[c] = g
-                out[m] = c
-                m += 1
             j = ctx_j[v]
-            if j >= 0:
-                for r in range(ctx_classes.shape[1]):
-                    c = ctx_classes[j, r]
-                    if c < 0:
-                        c += C
-                    if stamp[c] != g:
-                        stamp[c] = g
-                        out[m] = c
-                        m += 1
+            lo, hi = (ctx_cls_ptr[j], ctx_cls_ptr[j + 1]) if j >= 0 else (0, 0)
+            for y in range(lo - 1, hi):
+                c = tclass[v] if y < lo else ctx_cls[y]
+                if stamp[c] != g:
+                    stamp[c] = g
+                    if m == out.shape[0]:
+                        grown = np.empty(2 * m, np.int64)
+                        grown[:m] = out
+                        out = grown
+                    out[m] = c
+                    m += 1
         ptr[g + 1] = m
-    return ptr, out
+    return ptr, out[:m].copy()
+
+
+@_jit
+def entering_classes(en, eg, gc_ptr, g_cls, S, C):
+    """Per state, the union of the classes of the groups on its incoming edges (edge e: into state
+    ``en[e]``, group ``eg[e]``; group g's classes ``g_cls[gc_ptr[g]:gc_ptr[g+1]]``), as a CSR ``(ptr
+    int64[S+1], classes int64[n])`` sorted within each state (the ``np.unique`` of (state, class) pairs
+    in :meth:`.canonical_product._Analysis._entering_table`)."""
+    eptr = np.zeros(S + 1, np.int64)
+    for e in range(en.shape[0]):
+        eptr[en[e] + 1] += 1
+    for s in range(S):
+        eptr[s + 1] += eptr[s]
+    fill = eptr[:S].copy()
+    order = np.empty(en.shape[0], np.int64)
+    for e in range(en.shape[0]):
+        order[fill[en[e]]] = e
+        fill[en[e]] += 1
+    stamp = np.full(C, -1, np.int64)
+    out = np.empty(64, np.int64)
+    ptr = np.zeros(S + 1, np.int64)
+    m = 0
+    for s in range(S):
+        start = m
+        for x in range(eptr[s], eptr[s + 1]):
+            g = eg[order[x]]
+            for y in range(gc_ptr[g], gc_ptr[g + 1]):
+                c = g_cls[y]
+                if stamp[c] != s:
+                    stamp[c] = s
+                    if m == out.shape[0]:
+                        grown = np.empty(2 * m, np.int64)
+                        grown[:m] = out
+                        out = grown
+                    out[m] = c
+                    m += 1
+        out[start:m].sort()
+        ptr[s + 1] = m
+    return ptr, out[:m].copy()
 
 
 @_jit
@@ -1077,10 +1165,12 @@ def warm_up() -> None:
         finish(i64, i64, i64, np.ones(1, bool), 1)
         allows_some(np.zeros((1, 1), np.int32), i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         group_tokens(i32, 1)
+        entering_classes(i64[:1], i64[:1], np.array([0, 1], np.int64), i64[:1], 1, 1)
+        sccs(np.array([0, 1, 1], np.int64), np.array([1], np.int64))
         witness_clear(np.zeros((1, 1), np.int32), np.full((1, 1), -1, np.int32), i64[:1], np.zeros((1, 1), np.bool_),
                       i32, i64[:1], i32, 12, i64[:1].copy())
-        group_classes(np.zeros(1, np.int64), np.array([0, 1], np.int64), i64, np.full(2, -1, np.int64),
-                      np.zeros((1, 1), np.int64), 1)
+        group_classes(np.zeros(1, np.int64), np.array([0, 1], np.int64), i64, np.full(2, -1, np.int64), i64[:1],
+                      i64[:0], 1)
         witness_table(np.zeros(2, np.bool_), i32, i64, i32, np.full((1, 1), -1, np.int32))
         spec_table(i32[:1], i32[:1], i32[:1], np.zeros((1, 7), np.int64), i64[:1], i64[:1], np.zeros((1, 1), np.int64),
                    i32[:1], np.zeros((1, 7), np.int64))

@@ -20,6 +20,10 @@ token ``v`` leads to ``δ*(q, bytes(v))`` (if defined). We compute all of these 
    JSON string, all words of one length). The numba path (:class:`_FusedWalk`) never holds the
    unmerged edges (~10⁴-10⁵ per string position): pass 1 walks depth first and keeps, per group, two
    hash sums of its pairs; pass 2 walks the class trie pruned to one node per merged group.
+   **Counter chains**: from a state inside a bounded string or free text, every token spelled in the
+   chain's byte classes X leads to the state its length away, so pass 1 adds those pairs per token
+   length and walks only the part of the class trie where a token leaves X (the result is the same
+   automaton; a 2,766-state tool schema: 170 → 50 ms at SmolLM2).
 
 Byte-fallback tokens under the ``"canonical"`` byte policy are added separately: from a boundary state
 they must spell one whole character of :func:`.token_trie.canonical_byte_ranges` (extra *inner*
