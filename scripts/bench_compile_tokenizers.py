@@ -9,7 +9,7 @@ tokens). Each tokenizer's artifacts are loaded once (``--artifacts name=DIR``, e
 ``tokenizer_artifacts/<name>``, built if missing). The per-tokenizer preparation (``compiler.prepare``:
 token trie and the canonical helper's tables) is reported apart, twice, with an empty host-shared table
 store (``compiler/table_store.py``, a fresh temporary root): in this process, which builds the tables
-and stores them, and in a second process started afterwards, which maps them (what every other
+and stores them, and in a second process started afterwards, which takes them from the store (what every other
 process of a server pays). Every compile runs with a 600 s budget so that slow cases are
 measured rather than refused; the served default budget is 4 s (``CompileBudgets``). The last column
 is the decode-step cost of a state seen for the first time (:func:`first_row_ms`). Prints a table
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             prepare(arts)
             first = (time.perf_counter() - t, prepare_in_new_process(d, path))
-            print(name, f"preparation {first[0]:.2f} s (builds), another process {first[1]:.2f} s (maps)", flush=True)
+            print(name, f"preparation {first[0]:.2f} s (builds), another process {first[1]:.2f} s (takes them from the store)", flush=True)
             compile_regex("a", arts, CompileOptions(canonical=True), budgets=budgets)
         cells = {}
         for label, rx in REGEXES.items():
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         row_ms = first_row_ms(compile_regex(REGEXES[ROW_REGEX], arts, CompileOptions(canonical=True), budgets=budgets))
         print(name, "first-use row", f"p50 {row_ms[0]:.2f} ms p99 {row_ms[1]:.2f} ms", flush=True)
         rows.append((name, first, cells, row_ms))
-    lines = ["| tokenizer | preparation s: first process (builds) / another process (maps) | "
+    lines = ["| tokenizer | preparation s: first process (builds) / another process (takes them from the store) | "
              + " | ".join(f"{k} ms" for k in REGEXES)
              + f" | {ROW_REGEX} first-use row p50 / p99 ms |",
              "|" + "---|" * (3 + len(REGEXES))]
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
                       f"canonical mode, budget raised to 600 s; the served default is 4 s, so a cell above "
                       f"4000 ms is a request refused with HTTP 400. Preparation = `compiler.prepare` (token trie and "
                       f"the canonical helper's tables) with an empty host-shared table store, in this process (builds "
-                      f"and stores the tables) and in a second process started afterwards (maps them). Host: {os.cpu_count()} CPUs, load average "
+                      f"and stores the tables) and in a second process started afterwards (maps the banned matrix from the store and copies the smaller tables). Host: {os.cpu_count()} CPUs, load average "
                       f"{os.getloadavg()[0]:.1f} at the end.")
     return 0
 

@@ -750,3 +750,24 @@ def test_engine_serves_over_budget_constraint_by_the_fallback(fake_stages, monke
     monkeypatch.setenv("VLLM_FST_FALLBACK", "none")
     with pytest.raises(CompileBudgetError, match="time budget"):
         backend.compile_vllm_request(_engine_request(regex="slow[a-z]+"))
+
+
+def test_compile_checks_wait_in_their_own_thread_pool():
+    """The API server awaits compile checks in fst's own pool (``context.run_off_loop``), not in the
+    event loop's default one: 12 checks blocked at once (a barrier of 12) all proceed although the loop's
+    default pool has 2 threads; with ``asyncio.to_thread`` they would wait for each other (and starve
+    the server's other users of that pool)."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_fst_backend.vllm import context
+
+    n = 12
+    barrier = threading.Barrier(n, timeout=20)
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+        return await asyncio.gather(*(context.run_off_loop(barrier.wait) for _ in range(n)))
+
+    assert sorted(asyncio.run(main())) == list(range(n))

@@ -404,9 +404,29 @@ class InProcessChecker:
 
     async def acheck(self, kind: str, spec: Any, **kw: Any) -> str:
         """:meth:`check` in a worker thread (off the event loop, but not off the GIL)."""
-        import asyncio
+        return await run_off_loop(self.check, kind, spec, **kw)
 
-        return await asyncio.to_thread(self.check, kind, spec, **kw)
+
+_CHECK_POOL: Any = None
+_CHECK_POOL_LOCK = threading.Lock()
+CHECK_THREADS = 64  # threads that wait for compile checks (each blocks in select while its compile runs)
+
+
+async def run_off_loop(fn: Any, *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` awaited from the event loop in fst's own thread pool (:data:`CHECK_THREADS`
+    threads, created on first use). Not ``asyncio.to_thread``: the loop's default pool has
+    ``min(32, CPUs + 4)`` threads (6 on 2 CPUs), and a thread waiting for a compile holds one for the
+    whole compile, so a burst of new constraints would queue behind each other before reaching the
+    compile processes, and would starve everything else the server runs in that pool."""
+    import asyncio
+    import functools
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _CHECK_POOL
+    with _CHECK_POOL_LOCK:
+        if _CHECK_POOL is None:
+            _CHECK_POOL = ThreadPoolExecutor(max_workers=CHECK_THREADS, thread_name_prefix="fst-check")
+    return await asyncio.get_running_loop().run_in_executor(_CHECK_POOL, functools.partial(fn, *args, **kw))
 
 
 #: Constraint kinds compiled at start-up by :class:`ServiceChecker` (their spec is fixed).
@@ -453,9 +473,7 @@ class ServiceChecker:
 
     async def acheck(self, kind: str, spec: Any, **kw: Any) -> str:
         """:meth:`check` awaited from the event loop (a thread blocked in ``select``, GIL released)."""
-        import asyncio
-
-        return await asyncio.to_thread(self.check, kind, spec, **kw)
+        return await run_off_loop(self.check, kind, spec, **kw)
 
 
 def _positive_int_env(name: str, default: int) -> int:

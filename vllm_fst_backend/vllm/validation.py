@@ -294,7 +294,7 @@ async def aprecheck(request: Any, model_config: Any) -> None:
     budget_s = _compile_budget()
     t0 = time.monotonic()
     try:
-        checker = await asyncio.to_thread(_context.get_checker, model_config)  # may start processes
+        checker = await _context.run_off_loop(_context.get_checker, model_config)  # may start processes
         await checker.acheck(kind, spec, whitespace_pattern=ws, options=options, budget_s=budget_s)
     except (UnsupportedSchemaError, CompileBudgetError) as e:
         PRECHECKS.put(key, e)  # the sync hook routes it to the fallback (or answers 400 with "none")
