@@ -30,8 +30,9 @@ product states per regex state, so the product is not enumerated; instead:
    ``ctx_classes``; byte-fallback tokens that start a multi-byte character), checked vectorized, plus
    EOS bits when s is accepting and END ∈ S. ``base[s]`` holds the other allowed tokens whose
    successor is good; it is computed per distinct regex state signature.
-3. **Representation.** If the reachable product is small (multiple choice, dates, IPv4, ...), it is
-   enumerated into an explicit :class:`CompiledAutomaton` (token-level CSR, all arrays complete).
+3. **Representation.** If the token DFA and the reachable product are small (multiple choice, dates,
+   IPv4, ...), the product is enumerated into an explicit :class:`CompiledAutomaton` (token-level CSR,
+   all arrays complete).
    Otherwise the automaton is *factored*: states are packed ints, rows are computed on first use and
    memoized (:class:`FactoredCanonical`). Both are dead-end free: every allowed token leads to a state
    from which an accepting state is reachable.
@@ -665,31 +666,24 @@ class _Analysis:
     _MAX_WITNESSES = 12
     _PAIRS_PREFILTER_TOKENS = 256  # special tokens at a state above which specials_clear pre-filters classes
 
-    def _witness_clear(self, cand: np.ndarray, wc: np.ndarray, tt: np.ndarray, tab: np.ndarray,
-                       las: np.ndarray) -> None:
-        """Clear in ``cand`` (``bool[C]``) the classes that some witness proves good: a token ``wc[e, l]``
-        (the best of edge e's group with lookahead class ``l`` in ``las``; ``wc: int32[E, L]``, -1 none)
-        whose successor is good for its class (``tt[e]``: the target's tag, ``tab``: the tag table),
-        the :attr:`_MAX_WITNESSES` of lowest estimated ban count; a class not banning one is good."""
+    def _witness_keep(self, idx: np.ndarray, wc: np.ndarray, tt: np.ndarray, tab: np.ndarray,
+                      las: np.ndarray) -> np.ndarray:
+        """The classes of ``idx`` (sorted ``int64`` ids; a scratch array, reordered) that no witness proves
+        good: a witness is a token ``wc[e, l]`` (the best of edge e's group with lookahead class ``l`` in
+        ``las``; ``wc: int32[E, L]``, -1 none) whose successor is good for its class (``tt[e]``: the
+        target's tag, ``tab``: the tag table), one of the :attr:`_MAX_WITNESSES` of lowest estimated ban
+        count; a class not banning one is good. Returns the classes left, in order."""
         H = self.H
-        idx = np.flatnonzero(cand)
         if self.use_kernels:
-            n_w, n_left = _kernels().witness_clear(H.bt, wc, tt, tab, self.tclass_safe, las, H.est_ban,
-                                                   self._MAX_WITNESSES, idx)
-            if n_w:
-                cand[:] = False
-                cand[idx[:n_left]] = True
-            return
+            _, n_left = _kernels().witness_clear(H.bt, wc, tt, tab, self.tclass_safe, las, H.est_ban,
+                                                 self._MAX_WITNESSES, idx)
+            return idx[:n_left]
         w64 = wc.astype(np.int64)
         okw = (w64 >= 0) & ~tab[tt[:, None], self.tclass_safe[np.maximum(w64, 0)]]
-        w = w64[:, las][okw[:, las]]
-        if not len(w):
-            return
-        w = np.unique(w)
+        w = np.unique(w64[:, las][okw[:, las]])
         for x in w[np.argsort(H.est_ban[w], kind="stable")[: self._MAX_WITNESSES]].tolist():
             idx = idx[((H.bt[x >> 5, idx] >> (x & 31)) & 1).astype(bool)]
-        cand[:] = False
-        cand[idx] = True
+        return idx
 
     def _allows_some(self, row: np.ndarray, k_arr: np.ndarray) -> np.ndarray:
         H = self.H
@@ -1104,12 +1098,9 @@ class _Analysis:
         got = self._cache.get(key, False)
         if got is not False:
             return got
-        res = np.zeros((self.nsig, H.C), dtype=bool)
-        base_cand = H.cls_mid if self.mid[s] else H.cls_boundary
-        if ent is not None:
-            only = np.zeros(H.C, dtype=bool)
-            only[ent] = True
-            base_cand = base_cand & only
+        # the candidate classes, as sorted ids: those that can be the last token's class here
+        base = H.cls_mid if self.mid[s] else H.cls_boundary
+        idx0 = np.flatnonzero(base) if ent is None else ent[base[ent]]
         # witness candidates: the best token of each (edge group, lookahead class) whose successor
         # (target state, its class, ALL) is good
         if self.best is None:
@@ -1119,31 +1110,29 @@ class _Analysis:
         tab = self._tag_table()
         specials = None
         full_row = None
+        res = None
         for i in range(self.nsig):
             if acc and H.sigma_end[i]:
                 continue
             if i != 0 and not self.ws_in[s]:
                 continue  # no whitespace-final token enters s: σ != ALL never occurs here
-            las = np.flatnonzero(H.sigma_la[i])
             # a product state (t, k, σ) with σ != ALL is only ever entered by a whitespace-final token,
             # so k is the class of one: other classes are irrelevant there (left good)
-            cand = base_cand.copy()
-            if i != 0:
-                cand &= H.sigma_cls[i]  # (σ_i, k) pairs that occur
-            if not cand.any():
+            idx = idx0.copy() if i == 0 else idx0[H.sigma_cls[i][idx0]]  # (σ_i, k) pairs that occur
+            if not len(idx):
                 continue
+            las = np.flatnonzero(H.sigma_la[i])
             if len(las):
                 # a few witnesses (good successor, rarely banned): each keeps the classes banning it
-                self._witness_clear(cand, wc, tt, tab, las)
-            if cand.any():
+                idx = self._witness_keep(idx, wc, tt, tab, las)
+            if len(idx):
                 if full_row is None:
                     full_row = self.regular_row_packed(s)
                 Y = full_row if H.sigma_full[i] else full_row & H.sigma_rows[i]
                 words = np.flatnonzero(Y)
                 if len(words):
                     n_bits = int(_POP8[Y[words].view(np.uint8)].sum())
-                    n_cand = int(cand.sum())
-                    if n_bits <= 16 or n_cand > 2048:
+                    if n_bits <= 16 or len(idx) > 2048:
                         # one banned column per token (few tokens, or too many classes for row checks)
                         w = words[:8]
                         bits = np.unpackbits(Y[w].view(np.uint8), bitorder="little").reshape(len(w), 32)
@@ -1151,23 +1140,23 @@ class _Analysis:
                         if len(ys) > 32:
                             ys = ys[np.argpartition(H.est_ban[ys], 31)[:32]]
                         for y in ys.tolist():
-                            cand &= H.bcol(y)
-                            if not cand.any():
+                            idx = idx[((H.bt[y >> 5, idx] >> (y & 31)) & 1).astype(bool)]
+                            if not len(idx):
                                 break
-                    if cand.any() and n_bits > 16:
-                        idx = np.flatnonzero(cand)
-                        cand[idx[self._allows_some(Y, idx)]] = False
-                idx = np.flatnonzero(cand)
+                    if len(idx) and n_bits > 16:
+                        idx = idx[~self._allows_some(Y, idx)]
                 if len(idx):
                     if specials is None:
                         specials = self.specials_of(s)
-                    cand[idx[self.specials_clear(idx, i, *specials)]] = False
-            res[i] = cand
+                    idx = idx[~self.specials_clear(idx, i, *specials)]
+            if len(idx):
+                if res is None:
+                    res = np.zeros((self.nsig, H.C), dtype=bool)
+                res[i, idx] = True
             if time.perf_counter() > self.deadline:
                 raise CompileBudgetError("canonical product exceeded the time budget", None)
-        out = res if res.any() else None
-        self._cache[key] = out
-        return out
+        self._cache[key] = res
+        return res
 
     def _set(self, s: int, table) -> bool:
         """Store a new table; returns True if it changed. Tags are content-based (equal tables share a
@@ -1935,7 +1924,12 @@ def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadli
     st = dict(stats or {})
     st.update(ms_deadend=1e3 * (t1 - t0), ms_rows=1e3 * (t2 - t1), canon_classes=H.C,
               bad_states=int(sum(b is not None for b in an.bad)))
-    exp = _try_explicit(fc, V, eos_ids, max_product_states, max_explicit_edges, deadline, st)
+    # not tried when the regex side alone has more states than the product may have: the product holds
+    # at least one state per regex state a canonical path reaches (nearly all), so the enumeration would
+    # fail after paying for up to max_product_states rows; such an automaton stays factored
+    exp = None
+    if M.num_states <= max_product_states:
+        exp = _try_explicit(fc, V, eos_ids, max_product_states, max_explicit_edges, deadline, st)
     if exp is not None:
         exp.stats["ms_explicit"] = 1e3 * (time.perf_counter() - t2)
         return exp
