@@ -731,34 +731,31 @@ def sccs(cuts, succ):
     for root in range(n):
         if index[root] >= 0:
             continue
-        wp = 0
-        work_v[0] = root
-        work_i[0] = cuts[root]
-        index[root] = counter
-        low[root] = counter
-        counter += 1
-        stack[sp] = root
-        sp += 1
-        on[root] = True
-        while wp >= 0:
+        wp = -1
+        w = root
+        while True:
+            if w >= 0:  # visit w: number it, push it on the component stack and the DFS stack
+                index[w] = counter
+                low[w] = counter
+                counter += 1
+                stack[sp] = w
+                sp += 1
+                on[w] = True
+                wp += 1
+                work_v[wp] = w
+                work_i[wp] = cuts[w]
+                w = -1
+            if wp < 0:
+                break
             v = work_v[wp]
             i = work_i[wp]
             if i < cuts[v + 1]:
                 work_i[wp] = i + 1
-                w = succ[i]
-                if index[w] < 0:
-                    index[w] = counter
-                    low[w] = counter
-                    counter += 1
-                    stack[sp] = w
-                    sp += 1
-                    on[w] = True
-                    wp += 1
-                    work_v[wp] = w
-                    work_i[wp] = cuts[w]
-                elif on[w]:
-                    if index[w] < low[v]:
-                        low[v] = index[w]
+                x = succ[i]
+                if index[x] < 0:
+                    w = x
+                elif on[x] and index[x] < low[v]:
+                    low[v] = index[x]
             else:
                 wp -= 1
                 if wp >= 0:
@@ -768,11 +765,11 @@ def sccs(cuts, succ):
                 if low[v] == index[v]:
                     while True:
                         sp -= 1
-                        w = stack[sp]
-                        on[w] = False
-                        nodes[n_out] = w
+                        z = stack[sp]
+                        on[z] = False
+                        nodes[n_out] = z
                         n_out += 1
-                        if w == v:
+                        if z == v:
                             break
                     n_comp += 1
                     comp_ptr[n_comp] = n_out
@@ -816,7 +813,8 @@ def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
 def group_tokens(token_group, G):
     """Tokens by group (a counting sort): ``(g_toks int64[n], g_ptr int64[G+1])`` -- the tokens ``v``
     with ``token_group[v] >= 0``, by group, ascending ids within a group (= a stable argsort of
-    ``token_group``); group g's tokens are ``g_toks[g_ptr[g]:g_ptr[g+1]]``."""
+    ``token_group``); group g's tokens are ``g_toks[g_ptr[g]:g_ptr[g+1]]``. (Any int array of keys in
+    ``0..G-1`` or -1: :func:`entering_classes` sorts edges by target with it.)"""
     g_ptr = np.zeros(G + 1, np.int64)
     for v in range(token_group.shape[0]):
         g = token_group[v]
@@ -835,6 +833,21 @@ def group_tokens(token_group, G):
 
 
 @_jit
+def _add_once(out, m, stamp, key, c):
+    """Append ``c`` to ``out[:m]`` unless ``stamp[c] == key`` (already there for this key), then mark it;
+    ``out`` grows by doubling. Returns ``(out, m)``."""
+    if stamp[c] != key:
+        stamp[c] = key
+        if m == out.shape[0]:
+            grown = np.empty(2 * m, np.int64)
+            grown[:m] = out
+            out = grown
+        out[m] = c
+        m += 1
+    return out, m
+
+
+@_jit
 def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_cls_ptr, ctx_cls, C):
     """The classes of each group's tokens (:meth:`.canonical_product._Analysis._entering_table`), as a
     CSR ``(ptr int64[G+1], classes int64[n])``, each class once per group (in first-seen order): the
@@ -848,18 +861,11 @@ def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_cls_ptr, ctx_cls, C):
     for g in range(G):
         for x in range(g_ptr[g], g_ptr[g + 1]):
             v = g_toks[x]
+            out, m = _add_once(out, m, stamp, g, np.int64(tclass[v]))
             j = ctx_j[v]
-            lo, hi = (ctx_cls_ptr[j], ctx_cls_ptr[j + 1]) if j >= 0 else (0, 0)
-            for y in range(lo - 1, hi):
-                c = tclass[v] if y < lo else ctx_cls[y]
-                if stamp[c] != g:
-                    stamp[c] = g
-                    if m == out.shape[0]:
-                        grown = np.empty(2 * m, np.int64)
-                        grown[:m] = out
-                        out = grown
-                    out[m] = c
-                    m += 1
+            if j >= 0:
+                for y in range(ctx_cls_ptr[j], ctx_cls_ptr[j + 1]):
+                    out, m = _add_once(out, m, stamp, g, ctx_cls[y])
         ptr[g + 1] = m
     return ptr, out[:m].copy()
 
@@ -870,16 +876,7 @@ def entering_classes(en, eg, gc_ptr, g_cls, S, C):
     ``en[e]``, group ``eg[e]``; group g's classes ``g_cls[gc_ptr[g]:gc_ptr[g+1]]``), as a CSR ``(ptr
     int64[S+1], classes int64[n])`` sorted within each state (the ``np.unique`` of (state, class) pairs
     in :meth:`.canonical_product._Analysis._entering_table`)."""
-    eptr = np.zeros(S + 1, np.int64)
-    for e in range(en.shape[0]):
-        eptr[en[e] + 1] += 1
-    for s in range(S):
-        eptr[s + 1] += eptr[s]
-    fill = eptr[:S].copy()
-    order = np.empty(en.shape[0], np.int64)
-    for e in range(en.shape[0]):
-        order[fill[en[e]]] = e
-        fill[en[e]] += 1
+    order, eptr = group_tokens(en, S)  # the edges by target state
     stamp = np.full(C, -1, np.int64)
     out = np.empty(64, np.int64)
     ptr = np.zeros(S + 1, np.int64)
@@ -889,15 +886,7 @@ def entering_classes(en, eg, gc_ptr, g_cls, S, C):
         for x in range(eptr[s], eptr[s + 1]):
             g = eg[order[x]]
             for y in range(gc_ptr[g], gc_ptr[g + 1]):
-                c = g_cls[y]
-                if stamp[c] != s:
-                    stamp[c] = s
-                    if m == out.shape[0]:
-                        grown = np.empty(2 * m, np.int64)
-                        grown[:m] = out
-                        out = grown
-                    out[m] = c
-                    m += 1
+                out, m = _add_once(out, m, stamp, s, g_cls[y])
         out[start:m].sort()
         ptr[s + 1] = m
     return ptr, out[:m].copy()
@@ -1165,6 +1154,7 @@ def warm_up() -> None:
         finish(i64, i64, i64, np.ones(1, bool), 1)
         allows_some(np.zeros((1, 1), np.int32), i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         group_tokens(i32, 1)
+        group_tokens(i64, 1)
         entering_classes(i64[:1], i64[:1], np.array([0, 1], np.int64), i64[:1], 1, 1)
         sccs(np.array([0, 1, 1], np.int64), np.array([1], np.int64))
         witness_clear(np.zeros((1, 1), np.int32), np.full((1, 1), -1, np.int32), i64[:1], np.zeros((1, 1), np.bool_),
