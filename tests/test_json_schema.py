@@ -954,3 +954,22 @@ def test_converted_regexes_compile_within_budget(built_artifacts):
         assert estimate_positions(parse_regex(rx)) < 8000
         compiled = compile_regex(rx, art, CompileOptions(canonical=True))  # default budgets (4 s)
         assert compiled.accepting.any()
+
+
+@pytest.mark.parametrize("schema,keyword,pointer", [
+    ({"type": "string", "pattern": "^\\p{Letter}+$"}, "pattern", ""),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^\\cC$"}}}, "pattern", "/properties/a"),
+    ({"type": "object", "patternProperties": {"^\\p{digit}+$": {}}}, "patternProperties", ""),
+])
+def test_ecma_only_patterns_are_unsupported_not_invalid(schema, keyword, pointer):
+    """A pattern Python's ``re`` cannot compile (the metaschema's ``regex`` format check) may be valid
+    ECMA-262 (``\\p{Letter}``, ``\\cC``; the suite's optional/ecmascript-regex.json): the server-side
+    conversion refuses it as unsupported (the fallback backend may serve it), naming the keyword and
+    where, not as a malformed schema (HTTP 400); a malformed keyword stays invalid."""
+    from vllm_fst_backend.compiler.constraints import json_schema_to_regex as server_convert
+
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        server_convert(schema)
+    assert ei.value.keyword == keyword and ei.value.pointer == pointer and "regex syntax" in str(ei.value)
+    with pytest.raises(InvalidSchemaError):
+        server_convert({"type": "string", "pattern": "^\\p{Letter}+$", "minLength": "x"})

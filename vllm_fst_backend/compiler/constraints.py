@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Iterable
 
-from ..errors import InvalidConstraintError, InvalidSchemaError
+from ..errors import InvalidConstraintError, InvalidSchemaError, UnsupportedSchemaError
 from .limits import InputLimits, check_choices, check_regex, check_schema_obj, check_schema_text
 from .regex_parse import escape_literal
 
@@ -111,8 +111,13 @@ def _check_metaschema(schema: Any) -> None:
     malformed keyword is refused even where the converter would not read it (``"minimum": "abc"`` on an
     object).
 
+    A ``pattern`` (or ``patternProperties`` key) that the metaschema's ``regex`` format check (Python's
+    ``re``) cannot compile may still be a valid ECMA-262 regex (``\\p{Letter}``, ``\\cC``): fst cannot
+    read it, so it is unsupported (the fallback backend may serve the request), not invalid.
+
     Raises:
         InvalidSchemaError: the schema is not a valid JSON Schema (message: what and where).
+        UnsupportedSchemaError: a pattern in a syntax fst does not read (``keyword``: the keyword).
     """
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
@@ -120,7 +125,14 @@ def _check_metaschema(schema: Any) -> None:
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
-        where = "/" + "/".join(str(p) for p in e.path) if e.path else "the schema root"
+        path = [str(p) for p in e.path]
+        where = "/" + "/".join(path) if path else "the schema root"
+        if e.validator == "format" and e.validator_value == "regex":
+            raise UnsupportedSchemaError(
+                f"unsupported JSON schema: the pattern {e.instance!r} is not in the regex syntax fst reads "
+                f"(Python re; ECMA-262 features such as \\p{{...}} or \\cX are not supported; at {where})",
+                keyword=path[-1] if path else "pattern", pointer="/" + "/".join(path[:-1]) if len(path) > 1 else "",
+            ) from None
         raise InvalidSchemaError(f"invalid JSON schema: {e.message} (at {where})") from None
     except RecursionError:
         raise InvalidSchemaError("invalid JSON schema: nested too deeply to check") from None
