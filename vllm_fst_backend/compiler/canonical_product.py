@@ -328,9 +328,10 @@ class CanonHelper:
         words = self.bt[np.ix_(toks >> 5, np.asarray(k_arr, dtype=np.int64))]
         return ((words >> (toks & 31)[:, None].astype(np.int32)) & 1).astype(bool)
 
-    def bcol(self, w: int) -> np.ndarray:
-        """``bool[C]``: classes that ban token ``w`` (one contiguous row of the word-major copy, ~10 µs)."""
-        return ((self.bt[w >> 5] >> (w & 31)) & 1).astype(bool)
+    def bans(self, w: int, k_arr: np.ndarray) -> np.ndarray:
+        """``bool[len(k_arr)]``: whether class ``k_arr[i]`` (not START) bans token ``w`` (a gather from one
+        contiguous row of the word-major copy ``bt``)."""
+        return ((self.bt[w >> 5, k_arr] >> (w & 31)) & 1).astype(bool)
 
     def allows_some(self, row: np.ndarray, k_arr: np.ndarray) -> np.ndarray:
         """``bool[len(k_arr)]``: whether class ``k_arr[i]`` (not START) bans not every token of the bit
@@ -675,14 +676,14 @@ class _Analysis:
         count; a class not banning one is good. Returns the classes left, in order."""
         H = self.H
         if self.use_kernels:
-            _, n_left = _kernels().witness_clear(H.bt, wc, tt, tab, self.tclass_safe, las, H.est_ban,
-                                                 self._MAX_WITNESSES, idx)
+            n_left = _kernels().witness_clear(H.bt, wc, tt, tab, self.tclass_safe, las, H.est_ban,
+                                              self._MAX_WITNESSES, idx)
             return idx[:n_left]
         w64 = wc.astype(np.int64)
         okw = (w64 >= 0) & ~tab[tt[:, None], self.tclass_safe[np.maximum(w64, 0)]]
         w = np.unique(w64[:, las][okw[:, las]])
         for x in w[np.argsort(H.est_ban[w], kind="stable")[: self._MAX_WITNESSES]].tolist():
-            idx = idx[((H.bt[x >> 5, idx] >> (x & 31)) & 1).astype(bool)]
+            idx = idx[H.bans(x, idx)]
         return idx
 
     def _allows_some(self, row: np.ndarray, k_arr: np.ndarray) -> np.ndarray:
@@ -1020,7 +1021,7 @@ class _Analysis:
         state t), allowed after the class with some completion of the character leading to a good state
         (:meth:`inner_good`)? The caller has checked v's validity and lookahead class."""
         H = self.H
-        allowed = ~H.bcol(v)[k_arr]
+        allowed = ~H.bans(v, k_arr)
         cv_arr = H.next_cls(k_arr, v)  # class reached, per previous class
         j = int(H.j_of[v])
         a2 = int(self.bf_start[v])
@@ -1140,7 +1141,7 @@ class _Analysis:
                         if len(ys) > 32:
                             ys = ys[np.argpartition(H.est_ban[ys], 31)[:32]]
                         for y in ys.tolist():
-                            idx = idx[((H.bt[y >> 5, idx] >> (y & 31)) & 1).astype(bool)]
+                            idx = idx[H.bans(y, idx)]
                             if not len(idx):
                                 break
                     if len(idx) and n_bits > 16:

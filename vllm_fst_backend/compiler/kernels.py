@@ -915,8 +915,8 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx):
     of edge e's target, 0 = all good, else ``tab[tt[e], tclass[w]]`` says the token's class is bad
     there); of these, the ``max_w`` with the lowest ``est_ban`` (lowest id on ties) are tried in that
     order, and each keeps in ``idx`` (candidate class ids, ``int64``) only the classes that ban it
-    (``bt``: word-major banned bits ``int32[W, C]``). Returns ``(n_witnesses, n_left)``: the classes
-    left are ``idx[:n_left]`` (reordered in place, order kept)."""
+    (``bt``: word-major banned bits ``int32[W, C]``). Returns ``n_left``: the classes left are
+    ``idx[:n_left]`` (reordered in place, order kept)."""
     E = wc.shape[0]
     n = 0
     cand = np.empty(E * las.shape[0], np.int64)
@@ -931,7 +931,7 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx):
             cand[n] = w
             n += 1
     if n == 0:
-        return 0, idx.shape[0]
+        return idx.shape[0]
     u = np.unique(cand[:n])
     order = np.argsort(est_ban[u], kind="mergesort")
     nw = min(max_w, u.shape[0])
@@ -949,7 +949,7 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx):
                 idx[j] = k
                 j += 1
         m = j
-    return nw, m
+    return m
 
 
 @_jit
