@@ -287,7 +287,7 @@ class CanonHelper:
     # arrays that stay memory-mapped when the tables come from the host's store: the banned matrix, read
     # by the dead-end analysis only (739 MB for Tekken). The others are copied into the process's own
     # memory: the decode-step kernels read them at random, and through a mapping of 4 KB pages (numpy's
-    # own large arrays get transparent huge pages) the per-token advance took twice as long.
+    # own large arrays get transparent huge pages) the per-token advance was markedly slower.
     SHARED_ARRAYS = ("bt",)
 
     @classmethod

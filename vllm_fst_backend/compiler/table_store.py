@@ -26,11 +26,11 @@ Never raises on I/O problems: a store that cannot be read or written costs the i
 
 Cost: a mapped table uses 4 KB pages (``/dev/shm`` gets no transparent huge pages unless the host
 enables them for shmem), while numpy's own large allocations get huge pages, and each page faults on
-its first touch. Random reads through a mapping are therefore slower: the per-token advance doubled
-with every table mapped, so the canonical helper keeps only its banned matrix mapped and copies the
-rest (:attr:`.canonical_product.CanonHelper.SHARED_ARRAYS`); the dead-end analysis, which reads the
-matrix at scattered places, ran ~10-20 % slower on Tekken with the mapped copy (both measured by hand,
-2026-11-25), against 739 MB and ~8 s per process saved.
+its first touch. Random reads through a mapping are therefore slower: with every table mapped the per-token
+advance was markedly slower (profiled by hand, not benchmarked), so the canonical helper keeps only its
+banned matrix mapped and copies the rest (:attr:`.canonical_product.CanonHelper.SHARED_ARRAYS`); the
+dead-end analysis, which reads that matrix at scattered places, is somewhat slower on Tekken with the
+mapped copy, against the matrix's memory (739 MB) and build time saved per process.
 """
 
 from __future__ import annotations
