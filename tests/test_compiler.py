@@ -648,8 +648,8 @@ def test_deadend_entering_classes_exact(fst_artifacts, monkeypatch, name, regex,
     eos = np.asarray(arts.eos_ids)
     autos = []
     for an in (fast, full):
-        rows, index = cp._base_rows(an)
-        autos.append(cp.FactoredCanonical(an.M, an.H, an, eos, rows, index))
+        autos.append(cp.FactoredCanonical(an.M, an.H, an, eos, cp._signatures(an)))
+        _check_base_rows(an, autos[-1])
     rng = np.random.default_rng(1)
     for _ in range(4):
         x = 0
@@ -711,6 +711,22 @@ def _check_setup_kernels(an):
         i = H.la_sets_idx[:, H.j_of[v]]  # the lookahead set it leaves from each k
         occurs[i[i > 0], cs[i > 0]] = True
     assert not (occurs & ~H.sigma_cls).any()  # every (σ, class) pair that occurs is kept
+    _check_base_rows(an)
+
+
+def _check_base_rows(an, fc=None):
+    """The factored automaton's base rows, built token by token on first visit (``kernels.regular_row``),
+    are the analysis' regular rows (group rows less the classes bad at each target), state by state."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+
+    M = an.M
+    if fc is None:
+        fc = cp.FactoredCanonical(M, an.H, an, np.asarray([], np.int64), cp._signatures(an))
+    n_tagged = 0
+    for s in range(M.num_states):
+        assert np.array_equal(fc._base_row(s), an.regular_row_packed(s)), s
+        n_tagged += bool(an.tag[M.edge_next[M.edge_ptr[s] : M.edge_ptr[s + 1]]].any())
+    assert n_tagged > 0  # some state has a successor with bad classes (the filter is exercised)
 
 
 _MEMBER = r'"[a-z]{1,8}"[ ]?:[ ]?("[^"\\]{0,12}"|\d{1,3})'

@@ -455,23 +455,10 @@ class _Analysis:
             self.ws_in[M.edge_next[ws_groups[M.edge_group]]] = True
         self.H = H
         self.deadline = deadline
-        V = H.V
         self.nsig = len(H.sigmas)
         tg = M.token_group
-        G = M.num_groups
-        self.G = G
-        # tokens per group
-        self.g_toks, self.g_ptr = _kernels().group_tokens(np.ascontiguousarray(tg, dtype=np.int32), G)
-        # token categories
-        valid = H.tclass >= 0
-        is_bf = H.tok_bf_byte >= 0
-        self.bf_start = np.full(V, -3, dtype=np.int64)  # acceptor move from state 0 (-1 reject, <=-2 exit)
-        if H.acc is not None:
-            self.bf_start[is_bf] = H.acc[0, H.tok_bf_byte[is_bf]]
-        bf_inner = is_bf & (self.bf_start >= 0)
-        bf_reject = is_bf & (self.bf_start == -1)
-        self.special = valid & ((H.j_of >= 0) | bf_inner | (H.ctx_j >= 0))
-        self.regular = valid & ~self.special & ~bf_reject
+        self.G = M.num_groups
+        self._token_arrays()
         self.best = self._witness_table()
         # special tokens: list with their group
         self.spec_toks = np.flatnonzero(self.special & (tg >= 0)).astype(np.int64)
@@ -490,7 +477,6 @@ class _Analysis:
         self._gmat = None  # int32[G, W] group rows (regular tokens), filled on first use
         self._gbuilt = None
         self._tok_cache: dict = {}
-        self.g_size = np.diff(self.g_ptr)
         self._derived_arrays()
         self._cache: dict = {}
         self._inner_memo: dict = {}
@@ -500,6 +486,23 @@ class _Analysis:
         self._ent_ptr = self._ent_cls = self._ent_wide = None
         if H.acc is None:
             self._ent_ptr, self._ent_cls, self._ent_wide = self._entering_table()
+
+    def _token_arrays(self) -> None:
+        """The per-token arrays (built at construction and on load: not pickled, V-sized): the tokens of
+        each group (``g_toks``, ``g_ptr``, ``g_size``), the byte-fallback acceptor's move from state 0
+        (``bf_start``) and the token categories ``special`` / ``regular``."""
+        M, H = self.M, self.H
+        self.g_toks, self.g_ptr = _kernels().group_tokens(np.ascontiguousarray(M.token_group, dtype=np.int32), self.G)
+        self.g_size = np.diff(self.g_ptr)
+        valid = H.tclass >= 0
+        is_bf = H.tok_bf_byte >= 0
+        self.bf_start = np.full(H.V, -3, dtype=np.int64)  # acceptor move from state 0 (-1 reject, <=-2 exit)
+        if H.acc is not None:
+            self.bf_start[is_bf] = H.acc[0, H.tok_bf_byte[is_bf]]
+        bf_inner = is_bf & (self.bf_start >= 0)
+        bf_reject = is_bf & (self.bf_start == -1)
+        self.special = valid & ((H.j_of >= 0) | bf_inner | (H.ctx_j >= 0))
+        self.regular = valid & ~self.special & ~bf_reject
 
     def _derived_arrays(self) -> None:
         """The V- and G-sized arrays derived from M and H (built at construction and on load: not pickled):
@@ -538,10 +541,13 @@ class _Analysis:
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
         # (V- and G-sized, rebuilt on load; the witness table only when a loaded analysis analyses again)
         state["tg_shift"] = state["tclass_safe"] = state["_tgt_buf"] = state["best"] = None
+        for name in ("g_toks", "g_ptr", "g_size", "bf_start", "special", "regular"):
+            state[name] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._token_arrays()
         self._derived_arrays()
         full = {}
         for tag, (shape, idx) in self._tag_full.items():
@@ -552,9 +558,14 @@ class _Analysis:
         self.bad = [None if t == 0 else full[t] for t in self.tag.tolist()]
 
     def _tag_index(self) -> None:
-        """Rebuild ``_tags`` (table bytes -> tag) and ``_tab`` (σ=ALL rows per tag) from ``_tag_full``
-        (after loading: they are not pickled)."""
+        """Rebuild ``_tags`` (table bytes -> tag, needed only to analyse again) and ``_tab`` (σ=ALL rows per
+        tag) from ``_tag_full`` (after loading: they are not pickled)."""
         self._tags = {tab.tobytes(): tag for tag, tab in self._tag_full.items()}
+        if self._tab is None:
+            self._tab_index()
+
+    def _tab_index(self) -> None:
+        """Rebuild ``_tab`` alone (what a loaded automaton's base rows read)."""
         self._tab = np.zeros((max(self._tag_full, default=0) + 64, self.H.C), dtype=bool)
         for tag, tab in self._tag_full.items():
             self._tab[tag] = tab[0]
@@ -1003,8 +1014,8 @@ class _Analysis:
         """``bool[n_tags + 1, C]``: row ``tag`` = the σ=ALL row of the bad table with that tag (row 0:
         all good). Grown by doubling as tags appear."""
         if self._tab is None:
-            self._tag_index()
-        return self._tab[: len(self._tags) + 1]
+            self._tab_index()
+        return self._tab[: len(self._tag_full) + 1]
 
     def specials_of(self, s: int):
         """Special tokens allowed at s: arrays (token, target)."""
@@ -1255,7 +1266,9 @@ class FactoredCanonical:
     start state (0, 0, START, ALL) is 0.
 
     Rows are computed on first use (``base[s] & ~banned[k] & la_row[σ]`` + special tokens + EOS)
-    and memoized in an LRU of ``memo_rows`` entries (thread-safe). The computation is compiled
+    and memoized in an LRU of ``memo_rows`` entries (thread-safe). The base row of a regex state (its
+    regular tokens whose successor is good, :func:`.kernels.regular_row`) and its special-token table are
+    built on the first visit of its signature, so a compile pays for neither on states no decode reaches. The computation is compiled
     (:mod:`.kernels`, numba, GIL released): :meth:`compute_row` reads the banned set of k from the
     filter's CSR (contiguous) and checks the special tokens of s from a per-signature table;
     :meth:`advance` (the matcher's decoding step) computes the successor of a token and its row in one
@@ -1264,14 +1277,15 @@ class FactoredCanonical:
     (``a > 0``) and filters without the CSR.
     """
 
-    def __init__(self, M: TokenDFA, H: CanonHelper, an: _Analysis, eos_ids, base_rows: np.ndarray,
-                 base_index: np.ndarray, memo_rows: int = 1024):
+    def __init__(self, M: TokenDFA, H: CanonHelper, an: _Analysis, eos_ids, base_index: np.ndarray,
+                 memo_rows: int = 1024):
+        """Args: the token DFA ``M``, the helper ``H``, the finished dead-end analysis ``an``, the EOS ids
+        and ``base_index`` (``int32[S]``, the signature of each regex state: :func:`_signatures`)."""
         self.M = M
         self.H = H
         self.an = an
         self.eos_ids = np.asarray(eos_ids, dtype=np.int64)
-        self.base_rows = base_rows
-        self.base_index = base_index
+        self.base_index = np.ascontiguousarray(base_index, dtype=np.int32)
         self.nsig = len(H.sigmas)
         self.NK = H.C + 1
         self.n_acc = H.n_acc
@@ -1293,8 +1307,8 @@ class FactoredCanonical:
         self._no_acc = H.acc is None
         self._has_inner = False
         # special-token tables: without a byte-fallback acceptor a table depends only on the (groups,
-        # successor tags) signature of a regex state, which base_index already numbers (_base_rows): free
-        # text shares one table across positions; with one, the targets matter (inner_good): one per state
+        # successor tags) signature of a regex state, which base_index numbers (_signatures): free text
+        # shares one table across positions; with one, the targets matter (inner_good): one per state
         self._key_of_s = (np.ascontiguousarray(base_index, dtype=np.int64) if self._no_acc
                           else np.arange(M.num_states, dtype=np.int64))
         self._spec_static = None  # per special token of the analysis: the state-independent columns
@@ -1302,9 +1316,10 @@ class FactoredCanonical:
         self.reset_caches()
 
     def reset_caches(self) -> None:
-        """Empty the tables filled on demand: the row memo, the special-token tables and the tag rows they
-        read (``_fspec``, ``_tag_bits``). Called at construction, after the explicit enumeration gave up
-        (it filled them for states a decode may never visit) and on unpickling (they are not stored)."""
+        """Empty the tables filled on demand: the row memo, the base rows, the special-token tables and the
+        tag rows they read (``_fspec``, ``_tag_bits``). Called at construction, after the explicit
+        enumeration gave up (it filled them for states a decode may never visit) and on unpickling (they
+        are not stored)."""
         H = self.H
         self._memo = OrderedDict()
         self._spec = {}
@@ -1313,15 +1328,21 @@ class FactoredCanonical:
         self._tag_bits = np.zeros((1, max(H.C, 1)), dtype=np.int64)  # a view of _tag_buf (rows appended)
         self._tag_buf = self._tag_bits
         self._spec_buf = np.zeros((0, 7), np.int64)  # spec rows of every built table (the snapshot: a view)
+        self._base_buf = np.zeros((0, H.W), np.int32)  # base rows built so far (the snapshot: a view)
+        n_sig = (int(self.base_index.max()) + 1) if len(self.base_index) else 1
+        self._base_of_sig = np.full(n_sig, -1, dtype=np.int64)  # row of _base_buf per signature
         n_keys = (int(self._key_of_s.max()) + 1) if len(self._key_of_s) else 1
         self._tag_row_arr = np.full(int(self.an.tag.max(initial=0)) + 1, -1, dtype=np.int64)
         self._tag_row_arr[0] = 0
         # snapshot, replaced as a whole under the lock: (spec int64[n, 7], key_lo int64[R], key_hi int64[R]
-        # (key_lo -1: table not built), inner_cache int64[n_inner, 2], tag_bits int64[n_rows, C])
+        # (key_lo -1: table not built), inner_cache int64[n_inner, 2], tag_bits int64[n_rows, C],
+        # base rows uint32[n_base, W], base_slot int64[R] (the base row of each key, built with its table))
         self._fspec = (np.zeros((0, 7), np.int64), np.full(n_keys, -1, np.int64), np.full(n_keys, -1, np.int64),
-                       np.zeros((1, 2), np.int64), self._tag_bits)
+                       np.zeros((1, 2), np.int64), self._tag_bits, self._base_buf.view(np.uint32),
+                       np.full(n_keys, -1, np.int64))
 
-    _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_buf", "_spec_buf", "_tag_row_arr", "_fspec")
+    _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_buf", "_spec_buf", "_tag_row_arr", "_fspec",
+               "_base_buf", "_base_of_sig")
 
     def __getstate__(self) -> dict:
         """Pickled state (``compiler/persist.py``) without the kernels' argument tuples, the Python lists
@@ -1343,8 +1364,9 @@ class FactoredCanonical:
     @property
     def nbytes(self) -> int:
         spec = self._fspec
-        return int(self.base_rows.nbytes + self.base_index.nbytes + self.H.W * 4 * len(self._memo)
-                   + self._tag_bits.nbytes + spec[0].nbytes + spec[1].nbytes + spec[2].nbytes + spec[3].nbytes)
+        return int(self._base_buf.nbytes + self.base_index.nbytes + self.H.W * 4 * len(self._memo)
+                   + self._tag_bits.nbytes + spec[0].nbytes + spec[1].nbytes + spec[2].nbytes + spec[3].nbytes
+                   + spec[6].nbytes)
 
     def pack(self, s: int, a: int, k: int, sig: int) -> int:
         """Packed state of (s, a, k, σ); k = C means START."""
@@ -1394,10 +1416,11 @@ class FactoredCanonical:
         if snap[1][key] < 0:
             self._fast_specials(s)
             snap = self._fspec
-        spec, key_lo, key_hi, icache, tag_bits = snap
+        spec, key_lo, key_hi, icache, tag_bits, base_buf, base_slot = snap
         out = np.empty(self.H.W, dtype=np.int32)
         pending = np.empty((256, 2), dtype=np.int64) if self._has_inner else _NO_PENDING
-        n_pend = _kernels().canon_row(out, s, k, sig, spec, key_lo, key_hi, key, tag_bits, icache, pending, *static)
+        n_pend = _kernels().canon_row(out, s, k, sig, spec, key_lo, key_hi, key, tag_bits, icache, pending, base_buf,
+                                      base_slot, *static)
         if n_pend:
             self._decide_inner(out, spec, icache, pending[:n_pend], k)
         return out
@@ -1413,11 +1436,11 @@ class FactoredCanonical:
             nxt = self.next_state(state, token)
             return (nxt, self.row(nxt)) if nxt >= 0 else (-1, None)
         step = self._kstep if self._kstep is not None else self._step_init()
-        spec, key_lo, key_hi, icache, tag_bits = self._fspec
+        spec, key_lo, key_hi, icache, tag_bits, base_buf, base_slot = self._fspec
         out = np.empty(self._W, dtype=np.int32)
         pending = np.empty((256, 2), dtype=np.int64) if self._has_inner else _NO_PENDING
         nxt, st = step[0](out, row, state, token, spec, key_lo, key_hi, self._key_of_s, tag_bits, icache, pending,
-                          *step[1])
+                          base_buf, base_slot, *step[1])
         if st < 0:
             if st == -1:  # kernels.STEP_REJECT
                 return -1, None
@@ -1438,12 +1461,9 @@ class FactoredCanonical:
     def _fast_init(self) -> tuple:
         """The fixed arguments of :func:`.kernels.canon_row` (views, no copies of big arrays)."""
         H = self.H
-        W = H.W
         n_seg = (len(H.banned_ptr) - 1) // H.C if H.C and len(H.banned_ptr) else 1
         ctx = H.ctx_classes.reshape(H.ctx_classes.shape[0], -1) if H.ctx_classes.size else np.zeros((1, 1), np.int64)
         static = (
-            np.ascontiguousarray(self.base_rows, dtype=np.int32).view(np.uint32).reshape(-1, W),
-            np.ascontiguousarray(self.base_index, dtype=np.int32),
             int(H.C), np.ascontiguousarray(H.banned_ptr, dtype=np.int64), np.ascontiguousarray(H.banned_ids),
             max(int(n_seg), 1), np.ascontiguousarray(H.start_row, dtype=np.int32).view(np.uint32),
             np.ascontiguousarray(H.sigma_rows, dtype=np.int32).view(np.uint32),
@@ -1476,8 +1496,8 @@ class FactoredCanonical:
 
     def _fast_specials(self, s: int) -> None:
         """Build (if missing) the special-token table of regex state s -- the kernels' ``spec`` rows,
-        columns ``kernels.SP_*`` -- and publish it in a new ``_fspec`` snapshot under key
-        ``_key_of_s[s]``. The special tokens are those of :meth:`_Analysis.specials_of`; plain ones carry
+        columns ``kernels.SP_*`` -- and its base row (:meth:`_regular_row`, once per signature), and
+        publish both in a new ``_fspec`` snapshot under key ``_key_of_s[s]``. The special tokens are those of :meth:`_Analysis.specials_of`; plain ones carry
         :meth:`_specials`' badmask (bit σ = successor bad, read from ``tag_bits``), context-dependent ones
         the ``ctx_classes`` row and the ``tag_bits`` row of their target's bad table, byte-fallback tokens
         that open a character a row of ``inner_cache`` (decided on first use, :meth:`_decide_inner`)."""
@@ -1495,7 +1515,26 @@ class FactoredCanonical:
             spec = buf[:n]
         else:
             spec = self._spec_rows_numpy(s, st)
-        self._publish_specials(key, spec)
+        base = self._regular_row(s) if self._base_of_sig[int(self.base_index[s])] < 0 else None
+        self._publish_specials(key, spec, s, base)
+
+    def _regular_row(self, s: int) -> np.ndarray:
+        """``int32[W]``: the base row of regex state s (:func:`.kernels.regular_row`; the same bits as
+        :meth:`_Analysis.regular_row_packed`, ``tests/test_compiler.py``)."""
+        an = self.an
+        gs, ts = an._edges(s)
+        out = np.empty(self._W, dtype=np.int32)
+        _kernels().regular_row(out.view(np.uint32), np.ascontiguousarray(gs, dtype=np.int64), an.tag[ts], an.g_toks,
+                               an.g_ptr, an.regular, self.H.tclass, an._tag_table())
+        return out
+
+    def _base_row(self, s: int) -> np.ndarray:
+        """``int32[W]``: the base row of regex state s, built with its key's table when missing."""
+        key = int(self._key_of_s[s])
+        if self._fspec[1][key] < 0:
+            self._fast_specials(s)
+        snap = self._fspec
+        return snap[5][snap[6][key]].view(np.int32)
 
     def _spec_rows_numpy(self, s: int, st: np.ndarray) -> np.ndarray:
         """The rows of :meth:`_fast_specials` with numpy, adding the ``tag_bits`` rows of new tags."""
@@ -1519,15 +1558,28 @@ class FactoredCanonical:
         spec[ctx, kernels.SP_ROW] = trow[ctx]
         return spec
 
-    def _publish_specials(self, key: int, spec: np.ndarray) -> None:
-        """Append the special-token table ``spec`` of signature ``key`` and publish a new ``_fspec``
-        snapshot (byte-fallback tokens opening a character get their ``inner_cache`` rows here)."""
+    def _publish_specials(self, key: int, spec: np.ndarray, s: int, base: np.ndarray | None) -> None:
+        """Append the special-token table ``spec`` of key ``key`` (that of regex state s) and, unless the
+        signature of s has one already, its base row ``base`` (None: computed here); publish a new
+        ``_fspec`` snapshot (byte-fallback tokens opening a character get their ``inner_cache`` rows
+        here)."""
         kernels = _kernels()
         inner = np.flatnonzero(spec[:, kernels.SP_KIND] == kernels.KIND_INNER)
         with self._lock:
-            spec_all, key_lo, key_hi, icache, _ = self._fspec
+            spec_all, key_lo, key_hi, icache, _, base_all, base_slot = self._fspec
             if key_lo[key] >= 0:  # another thread built it meanwhile
                 return
+            sig = int(self.base_index[s])
+            slot = int(self._base_of_sig[sig])
+            if slot < 0:
+                if base is None:
+                    base = self._regular_row(s)
+                slot = len(base_all)
+                self._base_buf = _append_rows(self._base_buf, slot, base[None, :])
+                base_all = self._base_buf[: slot + 1].view(np.uint32)
+                self._base_of_sig[sig] = slot
+            base_slot = base_slot.copy()
+            base_slot[key] = slot
             if len(inner):
                 spec[inner, kernels.SP_ARG] = len(icache) + np.arange(len(inner), dtype=np.int64)
                 icache = np.concatenate([icache, np.zeros((len(inner), 2), dtype=np.int64)])
@@ -1538,7 +1590,7 @@ class FactoredCanonical:
             if len(spec):
                 self._spec_buf = _append_rows(self._spec_buf, n0, spec)
                 spec_all = self._spec_buf[: n0 + len(spec)]
-            self._fspec = (spec_all, key_lo, key_hi, icache, self._tag_bits)
+            self._fspec = (spec_all, key_lo, key_hi, icache, self._tag_bits, base_all, base_slot)
 
     def _spec_static_init(self) -> np.ndarray:
         """``int64[n_spec, 7]``: the state-independent columns of the special tokens of the analysis
@@ -1604,7 +1656,7 @@ class FactoredCanonical:
         """Reference path of :meth:`compute_row` (numpy; also the ``a > 0`` case)."""
         H, an = self.H, self.an
         if a == 0:
-            row = self.base_rows[self.base_index[s]] & H.not_banned_row(k)
+            row = self._base_row(s) & H.not_banned_row(k)
             if not H.sigma_full[sig]:
                 row &= H.sigma_rows[sig]
             toks, tgts, badmask = self._specials(s)
@@ -1816,22 +1868,17 @@ def _append_rows(buf: np.ndarray, n: int, rows: np.ndarray) -> np.ndarray:
     return buf
 
 
-def _base_rows(an: _Analysis) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of the regular tokens of every regex state (deduplicated by signature)."""
-    M, H = an.M, an.H
-    S = M.num_states
+def _signatures(an: _Analysis) -> np.ndarray:
+    """``int32[S]``: the signature of each regex state, numbered from 0 in order of first appearance:
+    states with equal (edge groups, successor tags) have equal base rows and special-token tables."""
+    S = an.M.num_states
     keys: dict = {}
     index = np.empty(S, dtype=np.int32)
-    rows = []
+    tag = an.tag
     for s in range(S):
         gs, ts = an._edges(s)
-        key = (gs.tobytes(), an.tag[ts].tobytes())
-        r = keys.get(key)
-        if r is None:
-            r = keys[key] = len(rows)
-            rows.append(an.regular_row_packed(s).copy())
-        index[s] = r
-    return (np.stack(rows) if rows else np.zeros((0, H.W), np.int32)), index
+        index[s] = keys.setdefault((gs.tobytes(), tag[ts].tobytes()), len(keys))
+    return index
 
 
 def _try_explicit(fc: FactoredCanonical, V: int, eos_ids, max_states: int, max_edges: int, deadline: float, stats):
@@ -1916,8 +1963,8 @@ def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadli
     an = _Analysis(M, H, deadline, n_char_states)
     an.run(n_char_states)
     t1 = time.perf_counter()
-    base_rows, base_index = _base_rows(an)
-    fc = FactoredCanonical(M, H, an, eos_ids, base_rows, base_index)
+    base_index = _signatures(an)
+    fc = FactoredCanonical(M, H, an, eos_ids, base_index)
     start_row = fc.row(0)
     if not start_row.any():
         raise EmptyLanguageError("no canonical token sequence satisfies the constraint", None)
@@ -1939,7 +1986,7 @@ def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadli
     st["mode"] = "factored"
     S = M.num_states
     return CompiledAutomaton(
-        vocab_size=V, eos_ids=eos_ids, rows=base_rows, row_index=base_index, trans_ptr=M.edge_ptr,
+        vocab_size=V, eos_ids=eos_ids, rows=np.zeros((0, H.W), np.int32), row_index=base_index, trans_ptr=M.edge_ptr,
         trans_group=M.edge_group, trans_next=M.edge_next, token_group=M.token_group,
         accepting=M.accepting, forced_token=np.full(S, -1, dtype=np.int32), factored=fc, stats=st,
     )

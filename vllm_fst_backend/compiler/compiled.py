@@ -75,7 +75,8 @@ class CompiledAutomaton:
         vocab_size: V; ``num_words``: W.
         eos_ids: ``int32[k]`` end-of-sequence token ids (allowed exactly in accepting states).
         num_states: S (explicit mode; the token DFA's states in factored mode).
-        rows: ``int32[R, W]`` unique rows; ``row_index``: ``int32[S]``.
+        rows: ``int32[R, W]`` unique rows; ``row_index``: ``int32[S]`` (factored mode: no rows, and the
+            signature of each token-DFA state; rows come from ``factored``).
         trans_ptr, trans_group, trans_next, token_group: group CSR (module docstring).
         accepting: ``bool[S]``; forced_token: ``int32[S]``.
         stats: dict of build figures (states, groups, seconds per stage).

@@ -513,13 +513,13 @@ STEP_REJECT, STEP_NEED_SPEC, STEP_NEED_PY = -1, -2, -3
 
 
 @_jit
-def _row_into(out, s, k, sig, spec, lo, hi, tag_bits, inner_cache, pending, base_rows, base_index, C, banned_ptr,
+def _row_into(out, s, k, sig, spec, lo, hi, tag_bits, inner_cache, pending, base, C, banned_ptr,
               banned_ids, n_seg, start_row, sigma_rows, sigma_full, sigma_la, la_sets_idx, class_group, ctx_classes,
               accepting, sigma_end, eos_ids):
     """Body of :func:`canon_row` / :func:`canon_step` (``out`` is the ``uint32`` view; the special tokens
-    of s are rows ``lo:hi`` of ``spec``). Returns the number of pending pairs."""
+    of s are rows ``lo:hi`` of ``spec``; ``base``: ``uint32[W]``, the regular tokens of s). Returns the
+    number of pending pairs."""
     W = out.shape[0]
-    base = base_rows[base_index[s]]
     # ~banned[k] (or the start row): the special tokens are checked against it, then it is narrowed
     if k == C:
         for w in range(W):
@@ -589,13 +589,13 @@ def _row_into(out, s, k, sig, spec, lo, hi, tag_bits, inner_cache, pending, base
 
 
 @_jit
-def canon_row(out_i32, s, k, sig, spec, key_lo, key_hi, key, tag_bits, inner_cache, pending, base_rows, base_index, C,
+def canon_row(out_i32, s, k, sig, spec, key_lo, key_hi, key, tag_bits, inner_cache, pending, base_buf, base_slot, C,
               banned_ptr, banned_ids, n_seg, start_row, sigma_rows, sigma_full, sigma_la, la_sets_idx, class_group,
               ctx_classes, accepting, sigma_end, eos_ids):
     """Allowed-token row of the factored canonical state ``(s, 0, k, σ)`` (paper 004 Eq. 5 with the
     implicit A_BPE of §6.5; same bits as ``FactoredCanonical._compute_row_numpy``):
     ``base[s] & ~banned[k] (& lookahead row of σ) | the special tokens of s that pass | EOS``.
-    The per-call arguments come first; the rest (from ``base_rows`` on) are fixed per automaton.
+    The per-call arguments come first; the rest (from ``C`` on) are fixed per automaton.
 
     Args:
         out_i32: ``int32[W]`` output row (overwritten).
@@ -612,7 +612,8 @@ def canon_row(out_i32, s, k, sig, spec, key_lo, key_hi, key, tag_bits, inner_cac
             open a character; filled in by the caller).
         pending: ``int64[m, 2]`` with ``m >=`` the number of inner rows of the table; on return its
             first rows hold the (spec row, σ') pairs the caller must decide.
-        base_rows: ``uint32[R, W]``; base_index: ``int32[S]``.
+        base_buf: ``uint32[R, W]`` the base rows (regular tokens) built so far; base_slot: ``int64[R']``,
+            the row of each table key (``>= 0`` wherever ``key_lo`` is: built together).
         banned_ptr, banned_ids: the canonical filter's CSR (``int64[C*n_seg+1]`` offsets, ``uint16`` ids
             in ``n_seg`` segments of 65,536 ids per class; row k is contiguous).
         start_row: ``uint32[W]``; sigma_rows: ``uint32[nσ, W]``; sigma_full: ``bool[nσ]`` (σ holds every
@@ -627,14 +628,14 @@ def canon_row(out_i32, s, k, sig, spec, key_lo, key_hi, key, tag_bits, inner_cac
         caller decides them and sets their bits.
     """
     return _row_into(out_i32.view(np.uint32), s, k, sig, spec, key_lo[key], key_hi[key], tag_bits,
-                     inner_cache, pending, base_rows, base_index, C, banned_ptr, banned_ids, n_seg, start_row,
+                     inner_cache, pending, base_buf[base_slot[key]], C, banned_ptr, banned_ids, n_seg, start_row,
                      sigma_rows, sigma_full, sigma_la, la_sets_idx, class_group, ctx_classes, accepting,
                      sigma_end, eos_ids)
 
 
 @_jit
 def canon_step(out_i32, row_i32, state, token, spec, key_lo, key_hi, key_of_s, tag_bits, inner_cache, pending,
-               base_rows, base_index, C, banned_ptr, banned_ids, n_seg, start_row, sigma_rows, sigma_full, sigma_la,
+               base_buf, base_slot, C, banned_ptr, banned_ids, n_seg, start_row, sigma_rows, sigma_full, sigma_la,
                la_sets_idx, class_group, ctx_classes, accepting, sigma_end, eos_ids, token_group, edge_ptr,
                edge_group, edge_next, tok_info, acc, has_acc, n_sig, NK, n_acc):
     """One decoding step of the factored canonical automaton: the successor of packed ``state`` after
@@ -646,7 +647,7 @@ def canon_step(out_i32, row_i32, state, token, spec, key_lo, key_hi, key_of_s, t
         row_i32: ``int32[W]`` row of ``state`` (``token`` must have its bit set).
         state: packed ``((s * n_acc + a) * NK + kk) * n_sig + σ`` (kk = 0 for START, k + 1 for class k).
         token: token id (``0 <= token < V``, not EOS).
-        spec, key_lo, key_hi, tag_bits, inner_cache, pending, base_rows ... eos_ids: as :func:`canon_row`;
+        spec, key_lo, key_hi, tag_bits, inner_cache, pending, base_buf ... eos_ids: as :func:`canon_row`;
         key_of_s: ``int64[S]`` table of each regex state (``key_lo[key] < 0``: not built yet).
         token_group: ``int32[V]``; edge_ptr: ``int64[S+1]``; edge_group: ``int32[E]`` (sorted per state);
             edge_next: ``int32[E]`` -- the token DFA M.
@@ -698,7 +699,7 @@ def canon_step(out_i32, row_i32, state, token, spec, key_lo, key_hi, key_of_s, t
         return nxt, STEP_NEED_SPEC
     k2 = C if cls == C or cls < 0 else cls  # (cls -1 packs as START, as in FactoredCanonical.pack)
     n_pend = _row_into(out_i32.view(np.uint32), t, k2, nsig, spec, key_lo[key], key_hi[key], tag_bits,
-                       inner_cache, pending, base_rows, base_index, C, banned_ptr, banned_ids, n_seg, start_row,
+                       inner_cache, pending, base_buf[base_slot[key]], C, banned_ptr, banned_ids, n_seg, start_row,
                        sigma_rows, sigma_full, sigma_la, la_sets_idx, class_group, ctx_classes, accepting,
                        sigma_end, eos_ids)
     return nxt, n_pend
@@ -807,6 +808,30 @@ def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
             out[m, SP_ROW] = tr
         m += 1
     return m
+
+
+@_jit
+def regular_row(out_u32, gs, etags, g_toks, g_ptr, regular, tclass, tab):
+    """The base row of one regex state (the regular tokens it allows whose successor is good with σ = ALL;
+    ``_Analysis.regular_row_packed``, computed token by token): bit v of ``out_u32`` (``uint32[W]``,
+    overwritten) is set iff v is in a group ``gs[e]`` (``int64[E]``, the state's edge groups) with
+    ``regular[v]`` and, where the edge's target has a bad table (``etags[e] != 0``), its class is not bad
+    there (``tab[etags[e], tclass[v]]``, ``bool[n_tags + 1, C]``: the σ = ALL rows per tag). Groups' tokens:
+    ``g_toks[g_ptr[g]:g_ptr[g+1]]``. O(tokens allowed at the state)."""
+    for w in range(out_u32.shape[0]):
+        out_u32[w] = 0
+    for e in range(gs.shape[0]):
+        g = gs[e]
+        tg = etags[e]
+        for p in range(g_ptr[g], g_ptr[g + 1]):
+            v = g_toks[p]
+            if not regular[v]:
+                continue
+            if tg != 0:
+                c = tclass[v]
+                if c >= 0 and tab[tg, c]:
+                    continue
+            out_u32[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
 
 
 @_jit
