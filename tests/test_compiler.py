@@ -724,7 +724,7 @@ def _check_base_rows(an, fc=None):
         fc = cp.FactoredCanonical(M, an.H, an, np.asarray([], np.int64), cp._signatures(an))
     n_tagged = 0
     for s in range(M.num_states):
-        assert np.array_equal(fc._base_row(s), an.regular_row_packed(s)), s
+        assert np.array_equal(fc._base_row(s), an.regular_row_groups(s)), s
         n_tagged += bool(an.tag[M.edge_next[M.edge_ptr[s] : M.edge_ptr[s + 1]]].any())
     assert n_tagged > 0  # some state has a successor with bad classes (the filter is exercised)
 

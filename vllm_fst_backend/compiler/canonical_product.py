@@ -975,31 +975,47 @@ class _Analysis:
         self._gbuilt[missing] = True
         return np.bitwise_or.reduce(self._gmat[gs], axis=0)
 
+    def regular_row(self, s: int) -> np.ndarray:
+        """A new ``int32[W]`` row: the regular tokens allowed at s whose successor (target, class of the
+        token, ALL) is good -- the base row of s (:func:`.kernels.regular_row`, token by token)."""
+        gs, ts = self._edges(s)
+        out = np.empty(self.H.W, dtype=np.int32)
+        _kernels().regular_row(out.view(np.uint32), gs, self.tag[ts], self.g_toks, self.g_ptr, self.regular,
+                               self.H.tclass, self._tag_table())
+        return out
+
     def regular_row_packed(self, s: int) -> np.ndarray:
-        """``int32[W]``: :meth:`regular_row_mask` (no lookahead restriction) packed, memoized. Built from
-        per-group rows of regular tokens, minus (per successor tag) the tokens whose class is bad there:
-        ``OR_g row[g] & ~bad[tag_g]`` computed as one OR per distinct tag (``(a & ~b) | (c & ~b) =
-        (a | c) & ~b``)."""
+        """:meth:`regular_row` (the reference path: :meth:`regular_row_groups`), memoized per (edge groups,
+        successor tags) (read-only: shared)."""
         gs, ts = self._edges(s)
         key = (gs.tobytes(), self.tag[ts].tobytes())
         row = self._row_cache.get(key)
         if row is None:
-            toks = self.regular_tokens(s)
-            row = np.zeros(self.H.W, dtype=np.int32)
-            if toks is not None:
-                if len(toks):
-                    row = _pack_ids(toks, self.H.W)
-            elif len(gs):
-                tags = self.tag[ts]
-                untagged = tags == 0
-                if untagged.any():
-                    row |= self._or_group_rows(gs[untagged])
-                if not untagged.all():
-                    for tg in np.unique(tags[~untagged]).tolist():
-                        row |= self._or_group_rows(gs[tags == tg]) & ~self._bad_tok_row(tg)
+            row = self.regular_row(s) if self.use_kernels else self.regular_row_groups(s)
+            row.setflags(write=False)
             if len(self._row_cache) > 4096:
                 self._row_cache.clear()
             self._row_cache[key] = row
+        return row
+
+    def regular_row_groups(self, s: int) -> np.ndarray:
+        """:meth:`regular_row` built from per-group rows of regular tokens, minus (per successor tag) the
+        tokens whose class is bad there: ``OR_g row[g] & ~bad[tag_g]`` computed as one OR per distinct tag
+        (``(a & ~b) | (c & ~b) = (a | c) & ~b``); the tests' reference."""
+        gs, ts = self._edges(s)
+        toks = self.regular_tokens(s)
+        row = np.zeros(self.H.W, dtype=np.int32)
+        if toks is not None:
+            if len(toks):
+                row = _pack_ids(toks, self.H.W)
+        elif len(gs):
+            tags = self.tag[ts]
+            untagged = tags == 0
+            if untagged.any():
+                row |= self._or_group_rows(gs[untagged])
+            if not untagged.all():
+                for tg in np.unique(tags[~untagged]).tolist():
+                    row |= self._or_group_rows(gs[tags == tg]) & ~self._bad_tok_row(tg)
         return row
 
     def _bad_tok_row(self, tag: int) -> np.ndarray:
@@ -1496,7 +1512,7 @@ class FactoredCanonical:
 
     def _fast_specials(self, s: int) -> None:
         """Build (if missing) the special-token table of regex state s -- the kernels' ``spec`` rows,
-        columns ``kernels.SP_*`` -- and its base row (:meth:`_regular_row`, once per signature), and
+        columns ``kernels.SP_*`` -- and its base row (:meth:`_Analysis.regular_row`, once per signature), and
         publish both in a new ``_fspec`` snapshot under key ``_key_of_s[s]``. The special tokens are those of :meth:`_Analysis.specials_of`; plain ones carry
         :meth:`_specials`' badmask (bit σ = successor bad, read from ``tag_bits``), context-dependent ones
         the ``ctx_classes`` row and the ``tag_bits`` row of their target's bad table, byte-fallback tokens
@@ -1515,18 +1531,8 @@ class FactoredCanonical:
             spec = buf[:n]
         else:
             spec = self._spec_rows_numpy(s, st)
-        base = self._regular_row(s) if self._base_of_sig[int(self.base_index[s])] < 0 else None
+        base = self.an.regular_row(s) if self._base_of_sig[int(self.base_index[s])] < 0 else None
         self._publish_specials(key, spec, s, base)
-
-    def _regular_row(self, s: int) -> np.ndarray:
-        """``int32[W]``: the base row of regex state s (:func:`.kernels.regular_row`; the same bits as
-        :meth:`_Analysis.regular_row_packed`, ``tests/test_compiler.py``)."""
-        an = self.an
-        gs, ts = an._edges(s)
-        out = np.empty(self._W, dtype=np.int32)
-        _kernels().regular_row(out.view(np.uint32), np.ascontiguousarray(gs, dtype=np.int64), an.tag[ts], an.g_toks,
-                               an.g_ptr, an.regular, self.H.tclass, an._tag_table())
-        return out
 
     def _base_row(self, s: int) -> np.ndarray:
         """``int32[W]``: the base row of regex state s, built with its key's table when missing."""
@@ -1573,7 +1579,7 @@ class FactoredCanonical:
             slot = int(self._base_of_sig[sig])
             if slot < 0:
                 if base is None:
-                    base = self._regular_row(s)
+                    base = self.an.regular_row(s)
                 slot = len(base_all)
                 self._base_buf = _append_rows(self._base_buf, slot, base[None, :])
                 base_all = self._base_buf[: slot + 1].view(np.uint32)
@@ -1847,12 +1853,15 @@ class FactoredCanonical:
         return self.pack(t, a2, H.next_cls(k, token), nsig)
 
     def forced(self, state: int) -> int:
+        """The only allowed token of ``state`` (EOS counts), or -1 (one nonzero word holding one bit)."""
         row = self.row(state)
-        u8 = row.view(np.uint8)
-        if int(_POP8[u8].sum()) != 1:
+        if np.count_nonzero(row) != 1:
             return -1
-        w = int(np.flatnonzero(row)[0])
-        return w * 32 + (int(np.uint32(row[w].view(np.uint32))).bit_length() - 1)
+        w = int(np.argmax(row != 0))
+        v = int(np.uint32(row[w].view(np.uint32)))
+        if v & (v - 1):
+            return -1
+        return w * 32 + v.bit_length() - 1
 
 
 def _append_rows(buf: np.ndarray, n: int, rows: np.ndarray) -> np.ndarray:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import CompileBudgetError, EmptyLanguageError
 
 MAX_CODEPOINT = 0x10FFFF
@@ -296,6 +298,26 @@ class _Glushkov:
         return first, last, na and nb
 
 
+def _subset_index(nxt: frozenset, index: dict, states: list, max_states: int) -> int:
+    """Number of the DFA state holding the positions ``nxt`` in the subset construction (a new one is
+    appended to ``states``).
+
+    Raises:
+        CompileBudgetError: more than ``max_states`` states.
+    """
+    j = index.get(nxt)
+    if j is None:
+        j = index[nxt] = len(states)
+        states.append(nxt)
+        if len(states) > max_states:
+            raise CompileBudgetError(
+                f"regex automaton exceeds {max_states} states (e.g. a counted repetition after an "
+                f"unbounded one, or a very large bound)",
+                None,
+            )
+    return j
+
+
 def build_char_dfa(
     tree,
     allowed: list[tuple[int, int]] | None = None,
@@ -348,25 +370,22 @@ def build_char_dfa(
         cand: set = set()
         for p in D:
             cand |= first if p < 0 else follow[p]
-        buckets: dict[int, list] = {}
-        for q in cand:
-            for c in pos_classes[q]:
-                buckets.setdefault(c, []).append(q)
         budget.tick(len(cand) + 1)
         row = {}
-        for c, qs in buckets.items():
-            nxt = frozenset(qs)
-            j = index.get(nxt)
-            if j is None:
-                j = index[nxt] = len(states)
-                states.append(nxt)
-                if len(states) > max_states:
-                    raise CompileBudgetError(
-                        f"regex automaton exceeds {max_states} states (e.g. a counted repetition after an "
-                        f"unbounded one, or a very large bound)",
-                        None,
-                    )
-            row[c] = j
+        cls_sets = [pos_classes[q] for q in cand]
+        if sum(map(len, cls_sets)) == len(frozenset().union(*cls_sets)):
+            # no class is read by two candidate positions (the common case): each position's classes
+            # lead to the set holding it alone
+            for q, cs in zip(cand, cls_sets):
+                if cs:
+                    row.update(dict.fromkeys(cs, _subset_index(frozenset((q,)), index, states, max_states)))
+        else:
+            buckets: dict[int, list] = {}
+            for q in cand:
+                for c in pos_classes[q]:
+                    buckets.setdefault(c, []).append(q)
+            for c, qs in buckets.items():
+                row[c] = _subset_index(frozenset(qs), index, states, max_states)
         trans.append(row)
         final.append(bool(D & lastset) or (-1 in D and nullable))
 
@@ -388,20 +407,16 @@ def build_char_dfa(
                 stack.append(s)
     if not alive[0]:
         raise EmptyLanguageError("the regex matches no string (under the character filters)", None)
-    # renumber reachable alive states in BFS order from 0
-    new = {0: 0}
-    order = [0]
-    k = 0
-    while k < len(order):
-        s = order[k]
-        k += 1
-        for c in sorted(trans[s]):
-            t = trans[s][c]
-            if alive[t] and t not in new:
-                new[t] = len(order)
-                order.append(t)
-    out_trans = [{c: new[t] for c, t in trans[s].items() if alive[t]} for s in order]
-    out_final = [final[s] for s in order]
+    # every state is reachable from 0 (built from it): keep the alive ones, in order (minimize renumbers)
+    if all(alive):
+        out_trans, out_final = trans, final
+    else:
+        new = {}
+        for s in range(n):
+            if alive[s]:
+                new[s] = len(new)
+        out_trans = [{c: new[t] for c, t in trans[s].items() if alive[t]} for s in new]
+        out_final = [final[s] for s in new]
     if time.perf_counter() > deadline:
         raise CompileBudgetError("regex compilation exceeded the time budget", None)
     out_trans, out_final = minimize(out_trans, out_final)
@@ -417,6 +432,11 @@ def minimize(trans: list[dict], final: list[bool]) -> tuple[list[dict], list[boo
     character state becomes several byte states and token states downstream, each paid for in the
     token-DFA walk and the dead-end analysis.
 
+    The automaton goes to OpenFst and back in its binary ``VectorFst`` format (:func:`_vector_fst_bytes`,
+    :func:`_read_vector_fst`), built and read with numpy: one Python call per arc (``add_arc``,
+    ``arcs``) cost more than the minimization itself. :func:`minimize_reference` is the per-arc path
+    (tests: same result).
+
     Args:
         trans: S dicts ``class id -> next state`` (state 0 the start; every state reachable and
             co-reachable).
@@ -425,6 +445,113 @@ def minimize(trans: list[dict], final: list[bool]) -> tuple[list[dict], list[boo
     Returns:
         ``(trans, final)`` of the minimal DFA (same language).
     """
+    import pynini
+
+    if len(trans) <= 1:
+        return trans, final
+    f = pynini.Fst.read_from_string(_vector_fst_bytes(trans, final))
+    f.arcsort("ilabel")  # OpenFst's Minimize merges nothing on a cyclic DFA whose arcs are not sorted
+    f.minimize(allow_nondet=False)
+    return _read_vector_fst(f.write_to_string())
+
+
+_FST_MAGIC = 2125659606
+_FST_INF_BITS = 0x7F800000  # float32 +inf: the tropical semiring's zero (not final)
+
+
+def _fst_string(x: str) -> bytes:
+    return len(x).to_bytes(4, "little") + x.encode()
+
+
+def _vector_fst_bytes(trans: list[dict], final: list[bool]) -> bytes:
+    """OpenFst's binary serialization of a ``VectorFst<StdArc>`` acceptor (label = class id + 1, weight
+    One, start 0): header (magic, ``"vector"``, ``"standard"``, version 2, no symbol tables, properties
+    expanded | mutable only, start, state and arc counts), then per state its final weight (``float32``),
+    its arc count (``int64``) and its arcs (ilabel, olabel ``int32``, weight ``float32``, next state
+    ``int32``)."""
+    from itertools import chain
+
+    S = len(trans)
+    narcs = np.fromiter(map(len, trans), dtype=np.int64, count=S)
+    E = int(narcs.sum())
+    labels = np.fromiter(chain.from_iterable(trans), dtype=np.int32, count=E) + 1
+    targets = np.fromiter(chain.from_iterable(r.values() for r in trans), dtype=np.int32, count=E)
+    arc_start = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(narcs, out=arc_start[1:])
+    word = 3 * np.arange(S, dtype=np.int64) + 4 * arc_start[:-1]  # each state's first int32 word
+    body = np.zeros(3 * S + 4 * E, dtype=np.int32)
+    body[word] = np.where(np.asarray(final, dtype=bool), 0, _FST_INF_BITS)
+    body[word + 1] = narcs  # (int64, little-endian: the high word stays 0)
+    first = np.repeat(word + 3, narcs) + 4 * (np.arange(E, dtype=np.int64) - np.repeat(arc_start[:-1], narcs))
+    body[first] = labels
+    body[first + 1] = labels
+    body[first + 3] = targets
+    head = (_FST_MAGIC.to_bytes(4, "little") + _fst_string("vector") + _fst_string("standard")
+            + (2).to_bytes(4, "little") + (0).to_bytes(4, "little") + (3).to_bytes(8, "little")
+            + (0).to_bytes(8, "little") + S.to_bytes(8, "little") + E.to_bytes(8, "little"))
+    return head + body.tobytes()
+
+
+def _read_vector_fst(data: bytes) -> tuple[list[dict], list[bool]]:
+    """Inverse of :func:`_vector_fst_bytes` for an acceptor written by OpenFst (any start state, arcs in
+    their stored order): ``(trans, final)`` renumbered in BFS order from the start, following arcs in
+    that order.
+
+    Raises:
+        ValueError: not a ``VectorFst`` over the standard arc type, or symbol tables present.
+    """
+    pos = 0
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        pos += n
+        return data[pos - n : pos]
+
+    def take_int(n: int) -> int:
+        return int.from_bytes(take(n), "little", signed=True)
+
+    if take_int(4) != _FST_MAGIC:
+        raise ValueError("not an OpenFst binary FST")
+    fst_type, arc_type = take(take_int(4)).decode(), take(take_int(4)).decode()
+    version, flags = take_int(4), take_int(4)
+    if fst_type != "vector" or arc_type != "standard" or flags != 0:
+        raise ValueError(f"unexpected FST {fst_type}/{arc_type} (flags {flags})")
+    take(8)  # properties
+    start, S, _E = take_int(8), take_int(8), take_int(8)
+    del version
+    body = np.frombuffer(data[pos:], dtype=np.int32)  # (a copy: aligned)
+    words = body.tolist()
+    first = [0] * S  # each state's first arc word
+    narcs = [0] * S
+    w = 0
+    for s in range(S):
+        n = words[w + 1]  # (int64 arc count: its high word is 0)
+        first[s] = w + 3
+        narcs[s] = n
+        w += 3 + 4 * n
+    fin = [words[f - 3] != _FST_INF_BITS for f in first]
+    new = [-1] * S
+    new[start] = 0
+    order = [start]
+    k = 0
+    while k < len(order):
+        s = order[k]
+        k += 1
+        f0 = first[s]
+        for t in words[f0 + 3 : f0 + 4 * narcs[s] : 4]:
+            if new[t] < 0:
+                new[t] = len(order)
+                order.append(t)
+    out_trans: list[dict] = []
+    for s in order:
+        f0 = first[s]
+        f1 = f0 + 4 * narcs[s]
+        out_trans.append(dict(zip([x - 1 for x in words[f0:f1:4]], [new[t] for t in words[f0 + 3 : f1 : 4]])))
+    return out_trans, [fin[s] for s in order]
+
+
+def minimize_reference(trans: list[dict], final: list[bool]) -> tuple[list[dict], list[bool]]:
+    """:func:`minimize` with the FST built and read one arc at a time through pynini's API (tests)."""
     import pynini
 
     n = len(trans)

@@ -242,7 +242,7 @@ class FstMatcher:
             if t < 0:
                 break
             out.append(t)
-            if t in self._eos:
+            if t in self._eos or len(out) == max_n:
                 break
             s = c.next_state(s, t)
             if s < 0:  # cannot happen for a well-formed automaton
