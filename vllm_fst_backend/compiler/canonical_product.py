@@ -54,7 +54,6 @@ from .token_dfa import TokenDFA
 
 __all__ = ["CanonHelper", "canonical_helper", "canonical_automaton", "FactoredCanonical"]
 
-_POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 _NO_PENDING = np.zeros((0, 2), dtype=np.int64)
 _KERNELS = None
 
@@ -456,6 +455,7 @@ class _Analysis:
         self.H = H
         self.deadline = deadline
         self.nsig = len(H.sigmas)
+        self._las = [np.flatnonzero(H.sigma_la[i]) for i in range(self.nsig)]  # lookahead classes per σ
         tg = M.token_group
         self.G = M.num_groups
         self._token_arrays()
@@ -463,6 +463,8 @@ class _Analysis:
         # special tokens: list with their group
         self.spec_toks = np.flatnonzero(self.special & (tg >= 0)).astype(np.int64)
         self.spec_group = tg[self.spec_toks]
+        # their indices in increasing (estimated ban count, id) order: likely witnesses first
+        self.spec_est = np.argsort(H.est_ban[self.spec_toks], kind="stable").astype(np.int64)
         # per-state results
         S = M.num_states
         self.bad: list = [None] * S  # None (all good) or bool[nsig, C]
@@ -609,24 +611,29 @@ class _Analysis:
     # below this many entries
     _BATCH_CELLS = 1 << 22
 
-    def specials_clear(self, k_arr: np.ndarray, sig: int, toks: np.ndarray, tgts: np.ndarray) -> np.ndarray:
-        """``bool[len(k_arr)]``: for each class of ``k_arr``, whether some special token of ``toks``
-        (→ regex states ``tgts``) is allowed after (class, σ) and leads to a good state. Per context
+    def specials_clear(self, k_arr: np.ndarray, sig: int, s: int) -> np.ndarray:
+        """``bool[len(k_arr)]``: for each class of ``k_arr``, whether some special token allowed at regex
+        state s (:meth:`specials_of`) is allowed after (class, σ) and leads to a good state. Per context
         group of the classes: context-dependent tokens that reach their default class there are tested
         like regular tokens (a packed row per group); the others go through :meth:`_pairs_clear`,
         vectorized over tokens × classes in batches (Tekken has ~14k context-dependent tokens);
         byte-fallback tokens that open a character (SentencePiece, ≤ 256) go through
-        :meth:`opening_byte_ok` one by one."""
+        :meth:`opening_byte_ok` one by one. The tokens of s are prepared in one kernel call
+        (:func:`.kernels.special_prep`; numpy with ``use_kernels`` off)."""
         H = self.H
         out = np.zeros(len(k_arr), dtype=bool)
-        if not len(toks) or not len(k_arr):
+        if not len(k_arr) or not len(self.spec_toks):
             return out
-        lf = H.la_first[toks]
-        sel = (H.tclass[toks] >= 0) & (lf >= 0) & H.sigma_la[sig][np.maximum(lf, 0)]
-        inner = sel & (H.tok_bf_byte[toks] >= 0) & (self.bf_start[toks] >= 0)
-        sel &= ~inner
-        vt, vg = toks[sel], tgts[sel]
-        if len(vt):
+        if self.use_kernels:
+            vt, vg, jw, ctx_only, good_t, by_id, row_reg, row_all, inner_tok, inner_tgt = self._special_prep(s, sig)
+        else:
+            toks, tgts = self.specials_of(s)
+            lf = H.la_first[toks]
+            sel = (H.tclass[toks] >= 0) & (lf >= 0) & H.sigma_la[sig][np.maximum(lf, 0)]
+            inner = sel & (H.tok_bf_byte[toks] >= 0) & (self.bf_start[toks] >= 0)
+            inner_tok, inner_tgt = toks[inner], tgts[inner]
+            sel &= ~inner
+            vt, vg = toks[sel], tgts[sel]
             vt_order = np.argsort(H.est_ban[vt], kind="stable")  # likely witnesses first
             # (toks come sorted by id: keep that order's positions for _pairs_clear's lookups)
             by_id = (vt, np.empty(len(vt), dtype=np.int64))
@@ -643,14 +650,15 @@ class _Analysis:
             if ctx_only.any():
                 c = np.flatnonzero(ctx_only)
                 good_t[c] = self.succ_good_many(vg[c], H.tclass[vt[c]].astype(np.int64), np.zeros(len(c), np.int64))
+            row_reg = row_all = None
+        if len(vt):
             # group the classes by context group (np.unique without the sort: groups are small ints)
             cg = H.class_group[k_arr]
             groups = cg[:1] if (cg == cg[0]).all() else np.flatnonzero(np.bincount(cg))
             dj = np.where(ctx_only, H.ctx_j[vt], -1)  # (-1: not a candidate for the regular-like test)
             k_u = np.searchsorted(groups, cg).astype(np.int64)  # each class's group, as an index of groups
             if self.use_kernels:  # every group in one call
-                row = _pack_ids(vt[ctx_only & good_t], H.W)
-                _kernels().grouped_allows_some(H.bt, row, np.flatnonzero(row), H.nd_ptr, H.nd_tok, groups,
+                _kernels().grouped_allows_some(H.bt, row_reg, np.flatnonzero(row_reg), H.nd_ptr, H.nd_tok, groups,
                                                np.ascontiguousarray(k_arr, dtype=np.int64), k_u, out)
             else:
                 for u in range(len(groups)):
@@ -663,17 +671,36 @@ class _Analysis:
                 # a class banning every one of these tokens is not cleared by any: one word-major scan
                 # of the banned bits (the classes left here are mostly such, and the per-pair path
                 # would read one banned bit per (class, token), at random)
-                rem = rem[self._allows_some(_pack_ids(vt, H.W), k_arr[rem])]
+                rem = rem[self._allows_some(row_all if row_all is not None else _pack_ids(vt, H.W), k_arr[rem])]
             if len(rem):
                 sub = out[rem]
                 self._pairs_clear(k_arr[rem], k_u[rem], groups, sig, vt, vg, jw, dj, sub, by_id)
                 out[rem] = sub
-        for v, t in zip(toks[inner].tolist(), tgts[inner].tolist()):
+        for v, t in zip(inner_tok.tolist(), inner_tgt.tolist()):
             idx = np.flatnonzero(~out)
             if not len(idx):
                 break
             out[idx[self.opening_byte_ok(k_arr[idx], v, t)]] = True
         return out
+
+    def _special_prep(self, s: int, sig: int):
+        """:meth:`specials_clear`'s tokens of state s under σ (:func:`.kernels.special_prep`): ``(vt, vg,
+        jw, ctx_only, good_t, (id_tok, id_pos), row_reg, row_all, inner_tok, inner_tgt)``; the rows are
+        ``int32[W]``."""
+        H = self.H
+        gs, ts = self._edges(s)
+        n = len(self.spec_toks)
+        vt, vg, jw = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+        ctx_only, good_t = np.empty(n, bool), np.empty(n, bool)
+        id_tok, id_pos = np.empty(n, np.int64), np.empty(n, np.int64)
+        inner_tok, inner_tgt = np.empty(n, np.int64), np.empty(n, np.int64)
+        row_reg, row_all = np.zeros(H.W, np.int32), np.zeros(H.W, np.int32)
+        m, n_in = _kernels().special_prep(gs, ts, self.tag, self._tag_table(), self.spec_toks, self.spec_group,
+                                          self.spec_est, H.la_first, H.tclass, H.sigma_la[sig], H.tok_bf_byte,
+                                          self.bf_start, H.j_of, H.ctx_j, vt, vg, jw, ctx_only, good_t, id_tok, id_pos,
+                                          inner_tok, inner_tgt, row_reg.view(np.uint32), row_all.view(np.uint32))
+        return (vt[:m], vg[:m], jw[:m], ctx_only[:m], good_t[:m], (id_tok[:m], id_pos[:m]), row_reg, row_all,
+                inner_tok[:n_in], inner_tgt[:n_in])
 
     _MAX_WITNESSES = 12
     _PAIRS_PREFILTER_TOKENS = 256  # special tokens at a state above which specials_clear pre-filters classes
@@ -1136,7 +1163,6 @@ class _Analysis:
         wc = self.best[gs]  # int32[E, L]
         tt = self.tag[ts]
         tab = self._tag_table()
-        specials = None
         full_row = None
         res = None
         for i in range(self.nsig):
@@ -1149,7 +1175,7 @@ class _Analysis:
             idx = idx0.copy() if i == 0 else idx0[H.sigma_cls[i][idx0]]  # (σ_i, k) pairs that occur
             if not len(idx):
                 continue
-            las = np.flatnonzero(H.sigma_la[i])
+            las = self._las[i]
             if len(las):
                 # a few witnesses (good successor, rarely banned): each keeps the classes banning it
                 idx = self._witness_keep(idx, wc, tt, tab, las)
@@ -1157,10 +1183,10 @@ class _Analysis:
                 if full_row is None:
                     full_row = self.regular_row_packed(s)
                 Y = full_row if H.sigma_full[i] else full_row & H.sigma_rows[i]
-                words = np.flatnonzero(Y)
-                if len(words):
-                    n_bits = int(_POP8[Y[words].view(np.uint8)].sum())
+                n_bits = int(np.bitwise_count(Y.view(np.uint32)).sum())
+                if n_bits:
                     if n_bits <= 16 or len(idx) > 2048:
+                        words = np.flatnonzero(Y)
                         # one banned column per token (few tokens, or too many classes for row checks)
                         w = words[:8]
                         bits = np.unpackbits(Y[w].view(np.uint8), bitorder="little").reshape(len(w), 32)
@@ -1174,9 +1200,7 @@ class _Analysis:
                     if len(idx) and n_bits > 16:
                         idx = idx[~self._allows_some(Y, idx)]
                 if len(idx):
-                    if specials is None:
-                        specials = self.specials_of(s)
-                    idx = idx[~self.specials_clear(idx, i, *specials)]
+                    idx = idx[~self.specials_clear(idx, i, s)]
             if len(idx):
                 if res is None:
                     res = np.zeros((self.nsig, H.C), dtype=bool)

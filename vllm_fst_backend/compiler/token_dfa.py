@@ -381,7 +381,8 @@ def build_token_dfa(
         es, eg, en, token_group, G = fw.merge_and_emit(plain_id, kq_all, ka_all, skey, es, eg, en, token_group, G)
     else:
         es, eg, en, token_group, G = _merge_groups_numpy(es, eg, en, token_group, G, n_states, skey)
-    order = np.lexsort((eg, es))  # (state, group) order: the BFS numbering of the trim follows it
+    # (state, group) order: the BFS numbering of the trim follows it
+    order = _edge_order(es, eg, n_states, G) if fast else np.lexsort((eg, es))
     es, eg, en = es[order], eg[order], en[order]
     if fast:
         return _finish_numba(n_states, es, eg, en, acc_all, token_group, G, kq_all.astype(np.int32))
@@ -687,6 +688,16 @@ def _candidate_groups(s1, s2, cnt, groups_present, G):
     newg = np.full(G, -1, dtype=np.int64)
     newg[groups_present] = inv
     return inv, newg, (int(inv.max()) + 1 if len(inv) else 0)
+
+
+def _edge_order(es: np.ndarray, eg: np.ndarray, S: int, G: int) -> np.ndarray:
+    """``int64[E]``: ``np.lexsort((eg, es))`` as two stable counting sorts (:func:`.kernels.group_tokens`:
+    by group, then by state), O(E + S + G). ``es``: ``int[E]`` in ``0..S-1``, ``eg``: in ``0..G-1``."""
+    from . import kernels
+
+    by_group, _ = kernels.group_tokens(np.ascontiguousarray(eg), int(G))
+    by_state, _ = kernels.group_tokens(np.ascontiguousarray(es[by_group]), int(S))
+    return by_group[by_state]
 
 
 def _finish_numba(S_all, es, eg, en, acc_all, token_group, G, byte_state) -> TokenDFA:
