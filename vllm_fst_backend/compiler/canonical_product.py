@@ -465,6 +465,7 @@ class _Analysis:
         self.spec_group = tg[self.spec_toks]
         # their indices in increasing (estimated ban count, id) order: likely witnesses first
         self.spec_est = np.argsort(H.est_ban[self.spec_toks], kind="stable").astype(np.int64)
+        self._sp_e = None  # (special_prep's arrays: built on first use)
         # per-state results
         S = M.num_states
         self.bad: list = [None] * S  # None (all good) or bool[nsig, C]
@@ -472,14 +473,12 @@ class _Analysis:
         self._tags: dict = {}
         self._tag_full: dict = {}  # tag -> the bad table (bool[nsig, C]) with that tag
         self._tab = np.zeros((64, H.C), dtype=bool)
-        self._mask_cache: dict = {}
         self._row_cache: dict = {}
         self._btok: dict = {}
         self._grows: dict = {}
         self._gmat = None  # int32[G, W] group rows (regular tokens), filled on first use
         self._gbuilt = None
         self._tok_cache: dict = {}
-        self._derived_arrays()
         self._cache: dict = {}
         self._inner_memo: dict = {}
         self._bstatic: dict = {}
@@ -492,7 +491,7 @@ class _Analysis:
     def _token_arrays(self) -> None:
         """The per-token arrays (built at construction and on load: not pickled, V-sized): the tokens of
         each group (``g_toks``, ``g_ptr``, ``g_size``), the byte-fallback acceptor's move from state 0
-        (``bf_start``) and the token categories ``special`` / ``regular``."""
+        (``bf_start``), the token categories ``special`` / ``regular`` and ``tclass_safe``."""
         M, H = self.M, self.H
         self.g_toks, self.g_ptr = _kernels().group_tokens(np.ascontiguousarray(M.token_group, dtype=np.int32), self.G)
         self.g_size = np.diff(self.g_ptr)
@@ -505,15 +504,7 @@ class _Analysis:
         bf_reject = is_bf & (self.bf_start == -1)
         self.special = valid & ((H.j_of >= 0) | bf_inner | (H.ctx_j >= 0))
         self.regular = valid & ~self.special & ~bf_reject
-
-    def _derived_arrays(self) -> None:
-        """The V- and G-sized arrays derived from M and H (built at construction and on load: not pickled):
-        ``tg_shift`` (group of each token, -1 -> G: always the -1 target), ``tclass_safe`` (class, -1 -> 0)
-        and the scratch ``_tgt_buf``."""
-        tg = self.M.token_group
-        self.tg_shift = np.where(tg >= 0, tg, self.G).astype(np.int64)
-        self.tclass_safe = np.maximum(self.H.tclass, 0)
-        self._tgt_buf = np.full(self.G + 1, -1, dtype=np.int64)
+        self.tclass_safe = np.maximum(H.tclass, 0)  # (class, -1 -> 0)
 
     def _witness_table(self) -> np.ndarray:
         """``int32[G, L]``: the best witness per (group, lookahead class): the regular token of the group
@@ -526,7 +517,7 @@ class _Analysis:
         return best
 
     # memo tables of the analysis itself (rebuilt on demand): not part of the pickled state
-    _MEMOS = ("_cache", "_mask_cache", "_row_cache", "_btok", "_grows", "_tok_cache", "_inner_memo", "_bstatic")
+    _MEMOS = ("_cache", "_row_cache", "_btok", "_grows", "_tok_cache", "_inner_memo", "_bstatic")
 
     def __getstate__(self) -> dict:
         """Pickled state (``compiler/persist.py``): without the analysis' memo tables, and the bad tables
@@ -536,21 +527,20 @@ class _Analysis:
         state = self.__dict__.copy()
         for name in self._MEMOS:
             state[name] = {}
-        state["_gmat"] = state["_gbuilt"] = None
+        state["_gmat"] = state["_gbuilt"] = state["_sp_e"] = None
         state["_tag_full"] = {tag: (tab.shape, np.flatnonzero(tab).astype(np.int32)) for tag, tab in self._tag_full.items()}
         state["bad"] = state["_tab"] = state["_tags"] = None
         # the entering classes serve the analysis only (a loaded one decides every class)
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
         # (V- and G-sized, rebuilt on load; the witness table only when a loaded analysis analyses again)
-        state["tg_shift"] = state["tclass_safe"] = state["_tgt_buf"] = state["best"] = None
-        for name in ("g_toks", "g_ptr", "g_size", "bf_start", "special", "regular"):
+        state["best"] = None
+        for name in ("g_toks", "g_ptr", "g_size", "bf_start", "special", "regular", "tclass_safe"):
             state[name] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._token_arrays()
-        self._derived_arrays()
         full = {}
         for tag, (shape, idx) in self._tag_full.items():
             tab = np.zeros(shape, dtype=bool)
@@ -695,8 +685,15 @@ class _Analysis:
         id_tok, id_pos = np.empty(n, np.int64), np.empty(n, np.int64)
         inner_tok, inner_tgt = np.empty(n, np.int64), np.empty(n, np.int64)
         row_reg, row_all = np.zeros(H.W, np.int32), np.zeros(H.W, np.int32)
-        m, n_in = _kernels().special_prep(gs, ts, self.tag, self._tag_table(), self.spec_toks, self.spec_group,
-                                          self.spec_est, H.la_first, H.tclass, H.sigma_la[sig], H.tok_bf_byte,
+        if self._sp_e is None:  # the special tokens in (estimated ban, id) order, and group marks
+            self._sp_e = (self.spec_toks[self.spec_est], self.spec_group[self.spec_est].astype(np.int64),
+                          np.argsort(self.spec_est).astype(np.int64), np.zeros(max(self.G, 1), np.int64),
+                          np.zeros(max(self.G, 1), np.int64))
+            self._sp_calls = 0
+        self._sp_calls += 1
+        tok_e, grp_e, id_to_e, stamp, stamp_tgt = self._sp_e
+        m, n_in = _kernels().special_prep(gs, ts, stamp, stamp_tgt, self._sp_calls, self.tag, self._tag_table(), tok_e,
+                                          grp_e, id_to_e, H.la_first, H.tclass, H.sigma_la[sig], H.tok_bf_byte,
                                           self.bf_start, H.j_of, H.ctx_j, vt, vg, jw, ctx_only, good_t, id_tok, id_pos,
                                           inner_tok, inner_tgt, row_reg.view(np.uint32), row_all.view(np.uint32))
         return (vt[:m], vg[:m], jw[:m], ctx_only[:m], good_t[:m], (id_tok[:m], id_pos[:m]), row_reg, row_all,
@@ -922,34 +919,8 @@ class _Analysis:
         a, b = int(self.M.edge_ptr[s]), int(self.M.edge_ptr[s + 1])
         return self.M.edge_group[a:b], self.M.edge_next[a:b]
 
-    def regular_row_mask(self, s: int, sig: int | None) -> np.ndarray:
-        """``bool[V]``: regular tokens allowed at s whose successor (target, class of the token, ALL) is
-        good, restricted to lookahead set ``sig`` (None: no restriction). Vectorized over the vocabulary;
-        memoized by (edges, successor tags)."""
-        H = self.H
-        gs, ts = self._edges(s)
-        key = (gs.tobytes(), self.tag[ts].tobytes())
-        mask = self._mask_cache.get(key)
-        if mask is None:
-            tgt = self._tgt_buf
-            tgt[:] = -1
-            tgt[gs] = ts
-            tv = tgt[self.tg_shift]  # target per token (-1: not allowed at s)
-            ok = (tv >= 0) & self.regular
-            tags = self.tag[np.maximum(tv, 0)]
-            if (tags[ok] != 0).any():
-                tab = self._tag_table()
-                ok &= ~tab[tags, self.tclass_safe]
-            mask = ok
-            if len(self._mask_cache) > 4096:
-                self._mask_cache.clear()
-            self._mask_cache[key] = mask
-        if sig is not None and not H.sigma_full[sig]:
-            mask = mask & H.sigma_tok[sig]
-        return mask
-
     def regular_tokens(self, s: int) -> np.ndarray | None:
-        """Sorted ids of :meth:`regular_row_mask` (no lookahead restriction) when at most 256 tokens are
+        """Sorted ids of :meth:`regular_row` (the reference path's small states) when at most 256 tokens are
         allowed at s (by group sizes), else None. Memoized."""
         gs, ts = self._edges(s)
         if int(self.g_size[gs].sum()) > 256:

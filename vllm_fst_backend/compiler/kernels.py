@@ -1013,15 +1013,18 @@ def _clear_by_words(bt, row, words, k_arr, rem, nrem, out):
 
 
 @_jit
-def special_prep(gs, ts, tag, tab, sp_tok, sp_group, sp_est, la_first, tclass, sigma_la_row, tok_bf_byte, bf_start,
-                 j_of, ctx_j, vt, vg, jw, ctx_only, good_t, id_tok, id_pos, inner_tok, inner_tgt, row_reg, row_all):
+def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e, sp_id_to_e, la_first, tclass,
+                 sigma_la_row, tok_bf_byte, bf_start, j_of, ctx_j, vt, vg, jw, ctx_only, good_t, id_tok, id_pos,
+                 inner_tok, inner_tgt, row_reg, row_all):
     """The per-state part of :meth:`.canonical_product._Analysis.specials_clear` in one pass (its numpy
-    reference: the same arrays): the special tokens allowed at a regex state (edge groups ``gs``, sorted,
-    targets ``ts``) that are valid, have a first lookahead class in σ (``sigma_la_row: bool[L]``) and do not
-    open a byte-fallback character, in increasing (estimated ban count, id) order (``sp_est``: the
-    indices of ``sp_tok`` / ``sp_group``, the analysis' special tokens by id, in that order).
+    reference: the same arrays): the special tokens allowed at a regex state (edge groups ``gs``, targets
+    ``ts``) that are valid, have a first lookahead class in σ (``sigma_la_row: bool[L]``) and do not open a
+    byte-fallback character, in increasing (estimated ban count, id) order: ``sp_tok_e`` / ``sp_group_e``
+    are the analysis' special tokens and their groups in that order, ``sp_id_to_e`` maps their id order
+    to it. ``stamp`` / ``stamp_tgt`` (``int64[G]``, kept by the caller between calls) mark the state's
+    groups with the call number ``call`` (> every earlier one) and their targets.
 
-    Writes (arrays of at least ``len(sp_tok)`` entries): ``vt, vg, jw`` (token, target, whitespace-final
+    Writes (arrays of at least ``len(sp_tok_e)`` entries): ``vt, vg, jw`` (token, target, whitespace-final
     index), ``ctx_only`` (context-dependent, not whitespace-final), ``good_t`` (for those: the target's bad
     table, σ = ALL row ``tab[tag[target]]``, leaves the token's class good), ``id_tok, id_pos`` (the same
     tokens by id, and their positions in ``vt``), ``inner_tok, inner_tgt`` (the byte-fallback tokens that
@@ -1031,32 +1034,24 @@ def special_prep(gs, ts, tag, tab, sp_tok, sp_group, sp_est, la_first, tclass, s
     Returns:
         ``(n, n_inner)``: entries written to ``vt`` ... and to ``inner_tok``.
     """
-    n_sp = sp_tok.shape[0]
-    E = gs.shape[0]
-    tgt_of = np.full(n_sp, -1, np.int64)
-    pos_of = np.full(n_sp, -1, np.int64)
+    n_sp = sp_tok_e.shape[0]
+    for e in range(gs.shape[0]):
+        stamp[gs[e]] = call
+        stamp_tgt[gs[e]] = ts[e]
+    pos_of = np.full(n_sp, -1, np.int64)  # by est index: position in vt, or -2 (inner), -1 (not selected)
     m = 0
     for x in range(n_sp):
-        r = sp_est[x]
-        g = sp_group[r]
-        lo = 0
-        hi = E
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if gs[mid] < g:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo >= E or gs[lo] != g:
+        g = sp_group_e[x]
+        if stamp[g] != call:
             continue
-        v = sp_tok[r]
+        v = sp_tok_e[x]
         lf = la_first[v]
         if tclass[v] < 0 or lf < 0 or not sigma_la_row[lf]:
             continue
-        t = ts[lo]
-        tgt_of[r] = t
+        t = stamp_tgt[g]
         if tok_bf_byte[v] >= 0 and bf_start[v] >= 0:
-            continue  # opens a character: inner_tok
+            pos_of[x] = -2  # opens a character: inner_tok
+            continue
         vt[m] = v
         vg[m] = t
         jw[m] = j_of[v]
@@ -1070,18 +1065,20 @@ def special_prep(gs, ts, tag, tab, sp_tok, sp_group, sp_est, la_first, tclass, s
                 row_reg[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
         good_t[m] = good
         row_all[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
-        pos_of[r] = m
+        pos_of[x] = m
         m += 1
     k = 0
     n_inner = 0
     for r in range(n_sp):
-        if pos_of[r] >= 0:
-            id_tok[k] = sp_tok[r]
-            id_pos[k] = pos_of[r]
+        x = sp_id_to_e[r]
+        p = pos_of[x]
+        if p >= 0:
+            id_tok[k] = sp_tok_e[x]
+            id_pos[k] = p
             k += 1
-        elif tgt_of[r] >= 0:
-            inner_tok[n_inner] = sp_tok[r]
-            inner_tgt[n_inner] = tgt_of[r]
+        elif p == -2:
+            inner_tok[n_inner] = sp_tok_e[x]
+            inner_tgt[n_inner] = stamp_tgt[sp_group_e[x]]
             n_inner += 1
     return m, n_inner
 
