@@ -858,39 +858,38 @@ def group_tokens(token_group, G):
 
 
 @_jit
-def _add_once(out, m, stamp, key, c):
-    """Append ``c`` to ``out[:m]`` unless ``stamp[c] == key`` (already there for this key), then mark it;
-    ``out`` grows by doubling. Returns ``(out, m)``."""
-    if stamp[c] != key:
-        stamp[c] = key
-        if m == out.shape[0]:
-            grown = np.empty(2 * m, np.int64)
-            grown[:m] = out
-            out = grown
-        out[m] = c
-        m += 1
-    return out, m
-
-
-@_jit
 def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_cls_ptr, ctx_cls, C):
     """The classes of each group's tokens (:meth:`.canonical_product._Analysis._entering_table`), as a
     CSR ``(ptr int64[G+1], classes int64[n])``, each class once per group (in first-seen order): the
     class ``tclass[v]`` of each token and, for a context-dependent token (``ctx_j[v] >= 0``), every
-    class it can reach (``ctx_cls[ctx_cls_ptr[j]:ctx_cls_ptr[j+1]]``, j = ``ctx_j[v]``)."""
+    class it can reach (``ctx_cls[ctx_cls_ptr[j]:ctx_cls_ptr[j+1]]``, j = ``ctx_j[v]``). The output is
+    sized once by a first pass (no growth, no call per entry)."""
     G = g_ptr.shape[0] - 1
+    bound = g_toks.shape[0]
+    for x in range(g_toks.shape[0]):
+        j = ctx_j[g_toks[x]]
+        if j >= 0:
+            bound += ctx_cls_ptr[j + 1] - ctx_cls_ptr[j]
     stamp = np.full(C, -1, np.int64)
-    out = np.empty(16, np.int64)
+    out = np.empty(bound, np.int64)
     ptr = np.zeros(G + 1, np.int64)
     m = 0
     for g in range(G):
         for x in range(g_ptr[g], g_ptr[g + 1]):
             v = g_toks[x]
-            out, m = _add_once(out, m, stamp, g, np.int64(tclass[v]))
+            c = np.int64(tclass[v])
+            if stamp[c] != g:
+                stamp[c] = g
+                out[m] = c
+                m += 1
             j = ctx_j[v]
             if j >= 0:
                 for y in range(ctx_cls_ptr[j], ctx_cls_ptr[j + 1]):
-                    out, m = _add_once(out, m, stamp, g, ctx_cls[y])
+                    c = ctx_cls[y]
+                    if stamp[c] != g:
+                        stamp[c] = g
+                        out[m] = c
+                        m += 1
         ptr[g + 1] = m
     return ptr, out[:m].copy()
 
@@ -900,10 +899,13 @@ def entering_classes(en, eg, gc_ptr, g_cls, S, C):
     """Per state, the union of the classes of the groups on its incoming edges (edge e: into state
     ``en[e]``, group ``eg[e]``; group g's classes ``g_cls[gc_ptr[g]:gc_ptr[g+1]]``), as a CSR ``(ptr
     int64[S+1], classes int64[n])`` sorted within each state (the ``np.unique`` of (state, class) pairs
-    in :meth:`.canonical_product._Analysis._entering_table`)."""
+    in :meth:`.canonical_product._Analysis._entering_table`). The output is sized once by a first pass."""
     order, eptr = group_tokens(en, S)  # the edges by target state
+    bound = 0
+    for e in range(eg.shape[0]):
+        bound += gc_ptr[eg[e] + 1] - gc_ptr[eg[e]]
     stamp = np.full(C, -1, np.int64)
-    out = np.empty(64, np.int64)
+    out = np.empty(bound, np.int64)
     ptr = np.zeros(S + 1, np.int64)
     m = 0
     for s in range(S):
@@ -911,7 +913,11 @@ def entering_classes(en, eg, gc_ptr, g_cls, S, C):
         for x in range(eptr[s], eptr[s + 1]):
             g = eg[order[x]]
             for y in range(gc_ptr[g], gc_ptr[g + 1]):
-                out, m = _add_once(out, m, stamp, s, g_cls[y])
+                c = g_cls[y]
+                if stamp[c] != s:
+                    stamp[c] = s
+                    out[m] = c
+                    m += 1
         out[start:m].sort()
         ptr[s + 1] = m
     return ptr, out[:m].copy()
