@@ -292,3 +292,42 @@ def test_accept_tokens_fast_path_equals_generic(fst_artifacts, name):
                 m.rollback(1)
                 assert m.state == (states[-2] if len(states) > 1 else before[0])
                 assert np.array_equal(m._row, c.allowed_row(m.state))
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_forced_tokens_factored_equals_generic(fst_artifacts, name):
+    """``forced_tokens`` on a factored automaton (forced token read from the row, next row from the
+    compiled step) returns the chain of the generic path (``compiled.forced`` / ``next_state``), without
+    changing the state: a JSON template whose keys and punctuation are forced, at every state of random
+    walks, for chain lengths 1, 3 and 50."""
+    regex = r'\{"name": "[a-z]{1,12}", "kind": "(alpha|beta)", "count": [0-9]{1,3}\}'
+    c = compile_regex(regex, fst_artifacts(name), CompileOptions())
+    assert c.mode == "factored"
+    eos = set(c.eos_ids.tolist())
+
+    def generic(state, max_n):
+        out = []
+        while len(out) < max_n:
+            t = c.forced(state)
+            if t < 0:
+                break
+            out.append(t)
+            if t in eos:
+                break
+            state = c.next_state(state, t)
+        return out
+
+    rnd = random.Random(3)
+    long_chains = 0
+    for _ in range(6):
+        m = FstMatcher(c)
+        while not m.is_terminated():
+            st = m.state
+            for n in (1, 3, 50):
+                assert m.forced_tokens(n) == generic(st, n), (st, n)
+            assert m.state == st
+            chain = m.forced_tokens(50)
+            long_chains += len(chain) >= 3
+            ids = m.allowed_token_ids().tolist()
+            assert m.accept_tokens("r", [rnd.choice(ids)])
+    assert long_chains > 0  # the template has multi-token forced stretches

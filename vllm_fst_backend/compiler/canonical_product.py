@@ -1848,8 +1848,12 @@ class FactoredCanonical:
         return self.pack(t, a2, H.next_cls(k, token), nsig)
 
     def forced(self, state: int) -> int:
-        """The only allowed token of ``state`` (EOS counts), or -1 (one nonzero word holding one bit)."""
-        row = self.row(state)
+        """The only allowed token of ``state`` (EOS counts), or -1."""
+        return self.forced_in_row(self.row(state))
+
+    @staticmethod
+    def forced_in_row(row: np.ndarray) -> int:
+        """The only token of the ``int32[W]`` row ``row``, or -1 (one nonzero word holding one bit)."""
         if np.count_nonzero(row) != 1:
             return -1
         w = int(np.argmax(row != 0))

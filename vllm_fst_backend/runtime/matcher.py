@@ -235,6 +235,8 @@ class FstMatcher:
         out: list[int] = []
         if self._terminated:
             return out
+        if self._fc is not None:
+            return self._forced_factored(self._fc, max_n)
         c = self.compiled
         s = self._state
         while len(out) < max_n:
@@ -245,6 +247,23 @@ class FstMatcher:
             if t in self._eos or len(out) == max_n:
                 break
             s = c.next_state(s, t)
+            if s < 0:  # cannot happen for a well-formed automaton
+                break
+        return out
+
+    def _forced_factored(self, fc, max_n: int) -> list[int]:
+        """:meth:`forced_tokens` on a factored automaton: each forced token read from the current row, the
+        next row from the compiled step (``FactoredCanonical.advance``, memoized) -- no successor lists."""
+        out: list[int] = []
+        s, row = self._state, self._row
+        while len(out) < max_n:
+            t = fc.forced_in_row(row)
+            if t < 0:
+                break
+            out.append(t)
+            if t in self._eos or len(out) == max_n:
+                break
+            s, row = fc.advance(s, row, t)
             if s < 0:  # cannot happen for a well-formed automaton
                 break
         return out
