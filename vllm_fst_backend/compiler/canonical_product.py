@@ -1507,8 +1507,9 @@ class FactoredCanonical:
 
     def _fast_specials(self, s: int) -> None:
         """Build (if missing) the special-token table of regex state s -- the kernels' ``spec`` rows,
-        columns ``kernels.SP_*`` -- and its base row (:meth:`_Analysis.regular_row`, once per signature), and
-        publish both in a new ``_fspec`` snapshot under key ``_key_of_s[s]``. The special tokens are those of :meth:`_Analysis.specials_of`; plain ones carry
+        columns ``kernels.SP_*`` -- and its base row (:meth:`_Analysis.regular_row`, once per signature),
+        and publish both in a new ``_fspec`` snapshot under key ``_key_of_s[s]``. The special tokens are
+        those of :meth:`_Analysis.specials_of`; plain ones carry
         :meth:`_specials`' badmask (bit σ = successor bad, read from ``tag_bits``), context-dependent ones
         the ``ctx_classes`` row and the ``tag_bits`` row of their target's bad table, byte-fallback tokens
         that open a character a row of ``inner_cache`` (decided on first use, :meth:`_decide_inner`)."""
