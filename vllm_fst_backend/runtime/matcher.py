@@ -231,39 +231,25 @@ class FstMatcher:
 
     def forced_tokens(self, max_n: int) -> list[int]:
         """The chain of forced tokens from the current state (at most ``max_n``; stops after EOS).
-        Does not change the state. O(length)."""
+        Does not change the state. O(length). On a factored automaton each forced token is read from
+        the current row and the next row comes from the compiled step (``FactoredCanonical.advance``,
+        memoized)."""
         out: list[int] = []
         if self._terminated:
             return out
-        if self._fc is not None:
-            return self._forced_factored(self._fc, max_n)
-        c = self.compiled
-        s = self._state
-        while len(out) < max_n:
-            t = c.forced(s)
-            if t < 0:
-                break
-            out.append(t)
-            if t in self._eos or len(out) == max_n:
-                break
-            s = c.next_state(s, t)
-            if s < 0:  # cannot happen for a well-formed automaton
-                break
-        return out
-
-    def _forced_factored(self, fc, max_n: int) -> list[int]:
-        """:meth:`forced_tokens` on a factored automaton: each forced token read from the current row, the
-        next row from the compiled step (``FactoredCanonical.advance``, memoized) -- no successor lists."""
-        out: list[int] = []
+        c, fc = self.compiled, self._fc
         s, row = self._state, self._row
         while len(out) < max_n:
-            t = fc.forced_in_row(row)
+            t = fc.forced_in_row(row) if fc is not None else c.forced(s)
             if t < 0:
                 break
             out.append(t)
             if t in self._eos or len(out) == max_n:
                 break
-            s, row = fc.advance(s, row, t)
+            if fc is not None:
+                s, row = fc.advance(s, row, t)
+            else:
+                s = c.next_state(s, t)
             if s < 0:  # cannot happen for a well-formed automaton
                 break
         return out
