@@ -1251,7 +1251,9 @@ async def _serving_batch(base: str, bodies: list[dict], concurrency: int, timeou
 
     async def one(i: int, body: dict, session) -> None:
         async with sem:
+            sent = time.perf_counter() - t0
             results[i] = await _stream_one(session, base, body)
+            results[i]["sent_s"] = sent
 
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
@@ -1329,6 +1331,14 @@ def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict
         "canonical": sum(canon) / len(canon) if canon else None,
         "canonical_n": len(canon),
         "bad_examples": bad,
+        # one record per request (JSON output only): which constraint, when it was sent (ms after the
+        # batch began), its TTFT and latency -- where a row's TTFT percentiles come from
+        "per_request": [{"name": c.name, "kind": c.kind, "ok": bool(r.get("ok")),
+                         "sent_ms": 1e3 * r.get("sent_s", 0.0),
+                         "ttft_ms": 1e3 * r["ttft"] if r.get("ok") and r.get("ttft") is not None else None,
+                         "latency_ms": 1e3 * r["latency"] if r.get("ok") and r.get("latency") is not None else None,
+                         "tokens": r.get("completion_tokens"), "finish": r.get("finish")}
+                        for c, r in zip(cases, results)],
     }
 
 
@@ -1694,7 +1704,7 @@ def main(argv=None) -> int:
             return
         for row in got:
             rows.append(row)
-            print(f"[bench_e2e] {backend}/serving {_row_label(row)}: " + json.dumps({k: v for k, v in row.items() if k != "bad_examples"}, default=str), flush=True)
+            print(f"[bench_e2e] {backend}/serving {_row_label(row)}: " + json.dumps({k: v for k, v in row.items() if k not in ("bad_examples", "per_request")}, default=str), flush=True)
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -253,6 +253,10 @@ def test_serving_summary_row():
     assert x["ok"] == 3 and x["failed"] == 1 and x["errors"] == ["HTTP 400: bad regex"]
     assert x["valid"] == pytest.approx(2 / 3) and x["canonical"] == pytest.approx(2 / 3) and x["capped"] == 1
     assert len(x["bad_examples"]) == 2
+    # per-request records: the constraint, the TTFT in ms (None for a failed request)
+    assert [(p["name"], p["ttft_ms"]) for p in f["per_request"]] == [
+        (c.name, pytest.approx(t)) for c, t in zip(cases, (100.0, 200.0, 300.0, 400.0))]
+    assert x["per_request"][3]["ok"] is False and x["per_request"][3]["ttft_ms"] is None
 
 
 def test_serving_report_and_section(tmp_path):
