@@ -835,3 +835,49 @@ def test_sccs_are_components_in_reverse_topological_order():
             reach = reach | (reach.astype(np.int64) @ reach.astype(np.int64) > 0)
         assert np.array_equal(comp_of[:, None] == comp_of[None, :], reach & reach.T)
         assert (comp_of[nxt] <= comp_of[src]).all()
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_eager_base_rows_equal_lazy_and_survive_pickling(fst_artifacts, monkeypatch, name):
+    """Factored automata with few signatures build every base row at compile (``build_base_rows``) and
+    keep them when stored (``compiler/persist.py``); the rows equal the ones built on first visit (the
+    path of larger automata, forced here with a threshold of 0) and the reference group-row path, and
+    the loaded automaton needs no base row at any visit."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+    from vllm_fst_backend.compiler import persist
+
+    arts = fst_artifacts(name)
+    regex = r"[A-Za-z ,]{5,40}\."
+    eager = compile_regex(regex, arts, CompileOptions())
+    fe = eager.factored
+    assert fe is not None and fe._eager_base is not None
+    n_sig = int(fe.base_index.max()) + 1
+    assert (fe._base_of_sig >= 0).all() and len(fe._fspec[5]) == n_sig
+    monkeypatch.setattr(cp.FactoredCanonical, "EAGER_BASE_SIGNATURES", 0)
+    lazy = compile_regex(regex, arts, CompileOptions())
+    fl = lazy.factored
+    assert fl._eager_base is None and (fl._base_of_sig < 0).all()
+    loaded = persist.loads(persist.dumps(eager), arts).factored
+    assert (loaded._base_of_sig >= 0).all()
+    built = []
+    monkeypatch.setattr(cp.FactoredCanonical, "_regular_row", lambda self, s, have_lock=False: built.append(s))
+    for s in range(fe.M.num_states):
+        ref = fe.an.regular_row_groups(s)
+        assert np.array_equal(loaded._base_row(s), ref), s
+        assert np.array_equal(fe._base_row(s), ref), s
+    assert not built  # every base row came from the stored ones
+    monkeypatch.undo()
+    for s in range(fl.M.num_states):
+        assert np.array_equal(fl._base_row(s), fe.an.regular_row_groups(s)), s
+    rng = np.random.default_rng(2)
+    eos = np.asarray(arts.eos_ids)
+    for _ in range(3):  # the product rows along random walks: the same in all three
+        x = 0
+        for _step in range(30):
+            r = loaded.row(x)
+            assert np.array_equal(r, fl.row(x)) and np.array_equal(r, fe.row(x))
+            ids = cp.ids_of_row(r)
+            ids = ids[~np.isin(ids, eos)]
+            if not len(ids):
+                break
+            x = loaded.next_state(x, int(rng.choice(ids)))

@@ -1324,6 +1324,7 @@ class FactoredCanonical:
                           else np.arange(M.num_states, dtype=np.int64))
         self._spec_static = None  # per special token of the analysis: the state-independent columns
         self._edges_py = None  # Python lists of M's CSR for next_state (built on first use)
+        self._eager_base = None  # (rows int32[n, W], row per signature int64[n_sig]): build_base_rows
         self.reset_caches()
 
     def reset_caches(self) -> None:
@@ -1340,8 +1341,13 @@ class FactoredCanonical:
         self._tag_buf = self._tag_bits
         self._spec_buf = np.zeros((0, 7), np.int64)  # spec rows of every built table (the snapshot: a view)
         self._base_buf = np.zeros((0, H.W), np.int32)  # base rows built so far (the snapshot: a view)
+        self._grp_buf = np.zeros((0, H.W), np.int32)  # packed rows of big groups (_regular_row)
+        self._grp = (np.full(max(self.an.G, 1), -1, dtype=np.int64), self._grp_buf)  # (slot per group, rows)
         n_sig = (int(self.base_index.max()) + 1) if len(self.base_index) else 1
         self._base_of_sig = np.full(n_sig, -1, dtype=np.int64)  # row of _base_buf per signature
+        eager = getattr(self, "_eager_base", None)
+        if eager is not None:  # the rows built at compile (build_base_rows; stored with the automaton)
+            self._base_buf, self._base_of_sig = eager[0], eager[1].copy()
         n_keys = (int(self._key_of_s.max()) + 1) if len(self._key_of_s) else 1
         self._tag_row_arr = np.full(int(self.an.tag.max(initial=0)) + 1, -1, dtype=np.int64)
         self._tag_row_arr[0] = 0
@@ -1353,7 +1359,7 @@ class FactoredCanonical:
                        np.full(n_keys, -1, np.int64))
 
     _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_buf", "_spec_buf", "_tag_row_arr", "_fspec",
-               "_base_buf", "_base_of_sig")
+               "_base_buf", "_base_of_sig", "_grp_buf", "_grp")
 
     def __getstate__(self) -> dict:
         """Pickled state (``compiler/persist.py``) without the kernels' argument tuples, the Python lists
@@ -1375,7 +1381,7 @@ class FactoredCanonical:
     @property
     def nbytes(self) -> int:
         spec = self._fspec
-        return int(self._base_buf.nbytes + self.base_index.nbytes + self.H.W * 4 * len(self._memo)
+        return int(self._base_buf.nbytes + self._grp_buf.nbytes + self.base_index.nbytes + self.H.W * 4 * len(self._memo)
                    + self._tag_bits.nbytes + spec[0].nbytes + spec[1].nbytes + spec[2].nbytes + spec[3].nbytes
                    + spec[6].nbytes)
 
@@ -1527,8 +1533,67 @@ class FactoredCanonical:
             spec = buf[:n]
         else:
             spec = self._spec_rows_numpy(s, st)
-        base = self.an.regular_row(s) if self._base_of_sig[int(self.base_index[s])] < 0 else None
+        base = self._regular_row(s) if self._base_of_sig[int(self.base_index[s])] < 0 else None
         self._publish_specials(key, spec, s, base)
+
+    _BIG_GROUP = 512  # groups of more tokens get a packed row: their base-row part is an OR of W words
+
+    def _regular_row(self, s: int, have_lock: bool = False) -> np.ndarray:
+        """``int32[W]``: the base row of regex state s (:meth:`_Analysis.regular_row`'s bits; free-text
+        states allow tens of thousands of tokens, so the groups with more than :attr:`_BIG_GROUP` tokens on
+        edges to targets without a bad table are OR-ed in as packed rows, built once per group and
+        automaton: :func:`.kernels.regular_row_cached`). ``have_lock``: the caller holds ``_lock``."""
+        an = self.an
+        gs, ts = an._edges(s)
+        tags = an.tag[ts]
+        if have_lock:
+            self._add_group_rows(gs, tags)
+        else:
+            with self._lock:
+                self._add_group_rows(gs, tags)
+        slot, rows = self._grp
+        out = np.empty(self._W, dtype=np.int32)
+        _kernels().regular_row_cached(out.view(np.uint32), gs, tags, slot, rows.view(np.uint32), an.g_toks, an.g_ptr,
+                                      an.regular, self.H.tclass, an._tag_table())
+        return out
+
+    def _add_group_rows(self, gs: np.ndarray, tags: np.ndarray) -> None:
+        """Pack the rows of the big groups among ``gs`` (edges to targets with tag 0) that have none yet
+        and publish a new ``_grp`` snapshot (slot per group, rows). Call with ``_lock`` held."""
+        an = self.an
+        slot, rows = self._grp
+        need = gs[(an.g_size[gs] > self._BIG_GROUP) & (tags == 0)]
+        need = need[slot[need] < 0]
+        if not len(need):
+            return
+        new = np.zeros((len(need), self._W), dtype=np.int32)
+        _kernels().pack_groups(need.astype(np.int64), an.g_toks, an.g_ptr, an.regular, new.view(np.uint32))
+        n0 = len(rows)
+        self._grp_buf = _append_rows(self._grp_buf, n0, new)
+        slot = slot.copy()
+        slot[need] = n0 + np.arange(len(need))
+        self._grp = (slot, self._grp_buf[: n0 + len(need)])
+
+    # automata with at most this many signatures get every base row at compile (build_base_rows): a few
+    # ms, and a decode of bounded free text, which reaches a new signature every few steps, never waits
+    # for one; larger ones (JSON schemas with bounded strings) build them on first visit
+    EAGER_BASE_SIGNATURES = 128
+
+    def build_base_rows(self) -> None:
+        """Build the base row of every signature now and keep them with the automaton (pickled, restored by
+        :meth:`reset_caches`)."""
+        first = np.unique(self.base_index, return_index=True)[1]
+        with self._lock:
+            todo = [(sig, int(s)) for sig, s in enumerate(first.tolist()) if self._base_of_sig[sig] < 0]
+            if todo:
+                rows = np.stack([self._regular_row(s, have_lock=True) for _, s in todo])
+                n0 = len(self._fspec[5])
+                self._base_buf = _append_rows(self._base_buf, n0, rows)
+                self._base_of_sig[[sig for sig, _ in todo]] = n0 + np.arange(len(todo))
+                snap = self._fspec
+                self._fspec = snap[:5] + (self._base_buf[: n0 + len(todo)].view(np.uint32), snap[6])
+            n = len(self._fspec[5])
+            self._eager_base = (np.array(self._base_buf[:n]), self._base_of_sig.copy())
 
     def _base_row(self, s: int) -> np.ndarray:
         """``int32[W]``: the base row of regex state s, built with its key's table when missing."""
@@ -1574,8 +1639,8 @@ class FactoredCanonical:
             sig = int(self.base_index[s])
             slot = int(self._base_of_sig[sig])
             if slot < 0:
-                if base is None:
-                    base = self.an.regular_row(s)
+                if base is None:  # (the caller saw a row: caches reset meanwhile)
+                    base = self._regular_row(s, have_lock=True)
                 slot = len(base_all)
                 self._base_buf = _append_rows(self._base_buf, slot, base[None, :])
                 base_all = self._base_buf[: slot + 1].view(np.uint32)
@@ -1992,6 +2057,10 @@ def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadli
         return exp
     st["ms_explicit"] = 1e3 * (time.perf_counter() - t2)  # the attempt that found the product too large
     fc.reset_caches()  # (the attempt's rows and special tables: rebuilt on demand where a decode goes)
+    if int(base_index.max(initial=-1)) + 1 <= fc.EAGER_BASE_SIGNATURES:
+        t3 = time.perf_counter()
+        fc.build_base_rows()
+        st["ms_rows"] += 1e3 * (time.perf_counter() - t3)
     st["mode"] = "factored"
     S = M.num_states
     return CompiledAutomaton(

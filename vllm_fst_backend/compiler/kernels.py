@@ -835,6 +835,45 @@ def regular_row(out_u32, gs, etags, g_toks, g_ptr, regular, tclass, tab):
 
 
 @_jit
+def pack_groups(groups, g_toks, g_ptr, regular, rows_u32):
+    """Row ``i`` of ``rows_u32`` (``uint32[n, W]``, zeroed by the caller) = the regular tokens
+    (``regular[v]``) of group ``groups[i]`` as a bit row (group g's tokens ``g_toks[g_ptr[g]:g_ptr[g+1]]``)."""
+    for i in range(groups.shape[0]):
+        g = groups[i]
+        for p in range(g_ptr[g], g_ptr[g + 1]):
+            v = g_toks[p]
+            if regular[v]:
+                rows_u32[i, v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+
+
+@_jit
+def regular_row_cached(out_u32, gs, etags, grp_slot, grp_rows, g_toks, g_ptr, regular, tclass, tab):
+    """:func:`regular_row` where an edge's group has a packed row (``grp_slot[g] >= 0``: row of
+    ``grp_rows``, ``uint32[n, W]``, from :func:`pack_groups`) and its target no bad table (``etags[e] ==
+    0``): that row is OR-ed in (W words) instead of a pass over the group's tokens. Same bits."""
+    W = out_u32.shape[0]
+    for w in range(W):
+        out_u32[w] = 0
+    for e in range(gs.shape[0]):
+        g = gs[e]
+        tg = etags[e]
+        r = grp_slot[g]
+        if r >= 0 and tg == 0:
+            for w in range(W):
+                out_u32[w] |= grp_rows[r, w]
+            continue
+        for p in range(g_ptr[g], g_ptr[g + 1]):
+            v = g_toks[p]
+            if not regular[v]:
+                continue
+            if tg != 0:
+                c = tclass[v]
+                if c >= 0 and tab[tg, c]:
+                    continue
+            out_u32[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+
+
+@_jit
 def group_tokens(token_group, G):
     """Tokens by group (a counting sort): ``(g_toks int64[n], g_ptr int64[G+1])`` -- the tokens ``v``
     with ``token_group[v] >= 0``, by group, ascending ids within a group (= a stable argsort of
