@@ -1504,12 +1504,33 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
             "again. The targets apply to the rows with new constraints only. Each fst server starts with an empty "
             "disk cache (a fresh `VLLM_FST_DISK_CACHE_DIR`)."
         )
+    split = serving_steady_split(rows)
+    if split:
+        notes.append(
+            "Per request (the JSON output's `per_request` records): TTFT p50 in ms of the JSON-schema / regex "
+            "requests sent after the first `concurrency` ones (those are sent together, at the start), rows with new "
+            "constraints: " + "; ".join(split) + "."
+        )
     for r in rows:
         if r["failed"]:
             notes.append(f"{r['backend']} @ {_row_label(r)}: {r['failed']} failed requests, first error: `{(r['errors'] or ['?'])[0][:200]}`")
         if r.get("health_errors"):
             notes.append(f"{r['backend']} @ {_row_label(r)}: {r['health_errors']} failed /health polls, first: `{r.get('health_first_error')}`")
     return notes
+
+
+def serving_steady_split(rows: list[dict]) -> list[str]:
+    """Per row with ``per_request`` records (not the repeated rows): ``"<backend> @ <size>: J / R"``, the
+    TTFT p50 (ms) of the JSON-schema (J) and regex (R) requests after the first ``concurrency`` requests."""
+    out = []
+    for r in rows:
+        recs = r.get("per_request") or []
+        if r.get("repeat") or len(recs) <= r["concurrency"]:
+            continue
+        later = [p for p in recs[r["concurrency"]:] if p.get("ttft_ms") is not None]
+        med = [_pct([p["ttft_ms"] for p in later if p["kind"] == k], 50) for k in ("json", "regex")]
+        out.append(f"{r['backend']} @ {_row_label(r)}: {_fmt(med[0], 'd')} / {_fmt(med[1], 'd')}")
+    return out
 
 
 def write_serving_report(out_md: Path, data: dict) -> list[str]:

@@ -257,6 +257,10 @@ def test_serving_summary_row():
     assert [(p["name"], p["ttft_ms"]) for p in f["per_request"]] == [
         (c.name, pytest.approx(t)) for c, t in zip(cases, (100.0, 200.0, 300.0, 400.0))]
     assert x["per_request"][3]["ok"] is False and x["per_request"][3]["ttft_ms"] is None
+    # the steady-state split: requests after the first `concurrency` (2), JSON / regex TTFT p50
+    f2 = dict(f, per_request=[dict(p, kind="json") if i == 3 else p for i, p in enumerate(f["per_request"])])
+    assert b.serving_steady_split([f, x, dict(f, repeat=True)]) == ["fst @ 4 × 2: – / 350", "xgrammar @ 4 × 2: – / 300"]
+    assert b.serving_steady_split([f2]) == ["fst @ 4 × 2: 400 / 300"]
 
 
 def test_serving_report_and_section(tmp_path):
