@@ -505,6 +505,8 @@ class _Analysis:
         self.special = valid & ((H.j_of >= 0) | bf_inner | (H.ctx_j >= 0))
         self.regular = valid & ~self.special & ~bf_reject
         self.tclass_safe = np.maximum(H.tclass, 0)  # (class, -1 -> 0)
+        # (no packed group rows: regular_row's token-by-token path)
+        self._no_grp = (np.full(max(self.G, 1), -1, dtype=np.int64), np.zeros((0, H.W), dtype=np.uint32))
 
     def _witness_table(self) -> np.ndarray:
         """``int32[G, L]``: the best witness per (group, lookahead class): the regular token of the group
@@ -534,7 +536,7 @@ class _Analysis:
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
         # (V- and G-sized, rebuilt on load; the witness table only when a loaded analysis analyses again)
         state["best"] = None
-        for name in ("g_toks", "g_ptr", "g_size", "bf_start", "special", "regular", "tclass_safe"):
+        for name in ("g_toks", "g_ptr", "g_size", "bf_start", "special", "regular", "tclass_safe", "_no_grp"):
             state[name] = None
         return state
 
@@ -978,8 +980,8 @@ class _Analysis:
         token, ALL) is good -- the base row of s (:func:`.kernels.regular_row`, token by token)."""
         gs, ts = self._edges(s)
         out = np.empty(self.H.W, dtype=np.int32)
-        _kernels().regular_row(out.view(np.uint32), gs, self.tag[ts], self.g_toks, self.g_ptr, self.regular,
-                               self.H.tclass, self._tag_table())
+        _kernels().regular_row(out.view(np.uint32), gs, self.tag[ts], *self._no_grp, self.g_toks, self.g_ptr,
+                               self.regular, self.H.tclass, self._tag_table())
         return out
 
     def regular_row_packed(self, s: int) -> np.ndarray:
@@ -1542,7 +1544,7 @@ class FactoredCanonical:
         """``int32[W]``: the base row of regex state s (:meth:`_Analysis.regular_row`'s bits; free-text
         states allow tens of thousands of tokens, so the groups with more than :attr:`_BIG_GROUP` tokens on
         edges to targets without a bad table are OR-ed in as packed rows, built once per group and
-        automaton: :func:`.kernels.regular_row_cached`). ``have_lock``: the caller holds ``_lock``."""
+        automaton: :func:`.kernels.regular_row`). ``have_lock``: the caller holds ``_lock``."""
         an = self.an
         gs, ts = an._edges(s)
         tags = an.tag[ts]
@@ -1553,8 +1555,8 @@ class FactoredCanonical:
                 self._add_group_rows(gs, tags)
         slot, rows = self._grp
         out = np.empty(self._W, dtype=np.int32)
-        _kernels().regular_row_cached(out.view(np.uint32), gs, tags, slot, rows.view(np.uint32), an.g_toks, an.g_ptr,
-                                      an.regular, self.H.tclass, an._tag_table())
+        _kernels().regular_row(out.view(np.uint32), gs, tags, slot, rows.view(np.uint32), an.g_toks, an.g_ptr,
+                               an.regular, self.H.tclass, an._tag_table())
         return out
 
     def _add_group_rows(self, gs: np.ndarray, tags: np.ndarray) -> None:

@@ -811,30 +811,6 @@ def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
 
 
 @_jit
-def regular_row(out_u32, gs, etags, g_toks, g_ptr, regular, tclass, tab):
-    """The base row of one regex state (the regular tokens it allows whose successor is good with σ = ALL;
-    ``_Analysis.regular_row_packed``, computed token by token): bit v of ``out_u32`` (``uint32[W]``,
-    overwritten) is set iff v is in a group ``gs[e]`` (``int64[E]``, the state's edge groups) with
-    ``regular[v]`` and, where the edge's target has a bad table (``etags[e] != 0``), its class is not bad
-    there (``tab[etags[e], tclass[v]]``, ``bool[n_tags + 1, C]``: the σ = ALL rows per tag). Groups' tokens:
-    ``g_toks[g_ptr[g]:g_ptr[g+1]]``. O(tokens allowed at the state)."""
-    for w in range(out_u32.shape[0]):
-        out_u32[w] = 0
-    for e in range(gs.shape[0]):
-        g = gs[e]
-        tg = etags[e]
-        for p in range(g_ptr[g], g_ptr[g + 1]):
-            v = g_toks[p]
-            if not regular[v]:
-                continue
-            if tg != 0:
-                c = tclass[v]
-                if c >= 0 and tab[tg, c]:
-                    continue
-            out_u32[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
-
-
-@_jit
 def pack_groups(groups, g_toks, g_ptr, regular, rows_u32):
     """Row ``i`` of ``rows_u32`` (``uint32[n, W]``, zeroed by the caller) = the regular tokens
     (``regular[v]``) of group ``groups[i]`` as a bit row (group g's tokens ``g_toks[g_ptr[g]:g_ptr[g+1]]``)."""
@@ -847,10 +823,15 @@ def pack_groups(groups, g_toks, g_ptr, regular, rows_u32):
 
 
 @_jit
-def regular_row_cached(out_u32, gs, etags, grp_slot, grp_rows, g_toks, g_ptr, regular, tclass, tab):
-    """:func:`regular_row` where an edge's group has a packed row (``grp_slot[g] >= 0``: row of
-    ``grp_rows``, ``uint32[n, W]``, from :func:`pack_groups`) and its target no bad table (``etags[e] ==
-    0``): that row is OR-ed in (W words) instead of a pass over the group's tokens. Same bits."""
+def regular_row(out_u32, gs, etags, grp_slot, grp_rows, g_toks, g_ptr, regular, tclass, tab):
+    """The base row of one regex state (the regular tokens it allows whose successor is good with σ = ALL;
+    ``_Analysis.regular_row_groups`` is the numpy reference): bit v of ``out_u32`` (``uint32[W]``,
+    overwritten) is set iff v is in a group ``gs[e]`` (the state's edge groups) with ``regular[v]`` and,
+    where the edge's target has a bad table (``etags[e] != 0``), its class is not bad there
+    (``tab[etags[e], tclass[v]]``, ``bool[n_tags + 1, C]``: the σ = ALL rows per tag). Groups' tokens:
+    ``g_toks[g_ptr[g]:g_ptr[g+1]]``. A group with a packed row (``grp_slot[g] >= 0``: row of ``grp_rows``,
+    ``uint32[n, W]``, from :func:`pack_groups`) on an edge to a target without a bad table is OR-ed in
+    (W words); the others cost a pass over their tokens."""
     W = out_u32.shape[0]
     for w in range(W):
         out_u32[w] = 0
