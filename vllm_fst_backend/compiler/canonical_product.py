@@ -463,9 +463,8 @@ class _Analysis:
         # special tokens: list with their group
         self.spec_toks = np.flatnonzero(self.special & (tg >= 0)).astype(np.int64)
         self.spec_group = tg[self.spec_toks]
-        # their indices in increasing (estimated ban count, id) order: likely witnesses first
-        self.spec_est = np.argsort(H.est_ban[self.spec_toks], kind="stable").astype(np.int64)
-        self._sp_e = None  # (special_prep's arrays: built on first use)
+        self._sp_e = None  # (special_prep's arrays: built on first use, _special_order)
+        self._sp_calls = 0
         # per-state results
         S = M.num_states
         self.bad: list = [None] * S  # None (all good) or bool[nsig, C]
@@ -687,11 +686,8 @@ class _Analysis:
         id_tok, id_pos = np.empty(n, np.int64), np.empty(n, np.int64)
         inner_tok, inner_tgt = np.empty(n, np.int64), np.empty(n, np.int64)
         row_reg, row_all = np.zeros(H.W, np.int32), np.zeros(H.W, np.int32)
-        if self._sp_e is None:  # the special tokens in (estimated ban, id) order, and group marks
-            self._sp_e = (self.spec_toks[self.spec_est], self.spec_group[self.spec_est].astype(np.int64),
-                          np.argsort(self.spec_est).astype(np.int64), np.zeros(max(self.G, 1), np.int64),
-                          np.zeros(max(self.G, 1), np.int64))
-            self._sp_calls = 0
+        if self._sp_e is None:
+            self._sp_e = self._special_order()
         self._sp_calls += 1
         tok_e, grp_e, id_to_e, stamp, stamp_tgt = self._sp_e
         m, n_in = _kernels().special_prep(gs, ts, stamp, stamp_tgt, self._sp_calls, self.tag, self._tag_table(), tok_e,
@@ -700,6 +696,15 @@ class _Analysis:
                                           inner_tok, inner_tgt, row_reg.view(np.uint32), row_all.view(np.uint32))
         return (vt[:m], vg[:m], jw[:m], ctx_only[:m], good_t[:m], (id_tok[:m], id_pos[:m]), row_reg, row_all,
                 inner_tok[:n_in], inner_tgt[:n_in])
+
+    def _special_order(self) -> tuple:
+        """:func:`.kernels.special_prep`'s per-analysis arrays: the special tokens and their groups in
+        increasing (estimated ban count, id) order (likely witnesses first), the map from their id order
+        to it, and the group marks (``int64[G]`` stamps and targets)."""
+        est = np.argsort(self.H.est_ban[self.spec_toks], kind="stable")
+        G = max(self.G, 1)
+        return (self.spec_toks[est], self.spec_group[est].astype(np.int64), np.argsort(est).astype(np.int64),
+                np.zeros(G, np.int64), np.zeros(G, np.int64))
 
     _MAX_WITNESSES = 12
     _PAIRS_PREFILTER_TOKENS = 256  # special tokens at a state above which specials_clear pre-filters classes
@@ -1280,8 +1285,9 @@ class FactoredCanonical:
 
     Rows are computed on first use (``base[s] & ~banned[k] & la_row[σ]`` + special tokens + EOS)
     and memoized in an LRU of ``memo_rows`` entries (thread-safe). The base row of a regex state (its
-    regular tokens whose successor is good, :func:`.kernels.regular_row`) and its special-token table are
-    built on the first visit of its signature, so a compile pays for neither on states no decode reaches. The computation is compiled
+    regular tokens whose successor is good, :meth:`_regular_row`) is built at compile for automata with at
+    most :attr:`EAGER_BASE_SIGNATURES` signatures (:meth:`build_base_rows`), else on the first visit of its
+    signature, like the state's special-token table. The computation is compiled
     (:mod:`.kernels`, numba, GIL released): :meth:`compute_row` reads the banned set of k from the
     filter's CSR (contiguous) and checks the special tokens of s from a per-signature table;
     :meth:`advance` (the matcher's decoding step) computes the successor of a token and its row in one
@@ -1360,8 +1366,8 @@ class FactoredCanonical:
                        np.zeros((1, 2), np.int64), self._tag_bits, self._base_buf.view(np.uint32),
                        np.full(n_keys, -1, np.int64))
 
-    _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_buf", "_spec_buf", "_tag_row_arr", "_fspec",
-               "_base_buf", "_base_of_sig", "_grp_buf", "_grp")
+    _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_buf", "_spec_buf", "_tag_row_arr",
+               "_fspec", "_base_buf", "_base_of_sig", "_grp_buf", "_grp")
 
     def __getstate__(self) -> dict:
         """Pickled state (``compiler/persist.py``) without the kernels' argument tuples, the Python lists
@@ -1383,9 +1389,9 @@ class FactoredCanonical:
     @property
     def nbytes(self) -> int:
         spec = self._fspec
-        return int(self._base_buf.nbytes + self._grp_buf.nbytes + self.base_index.nbytes + self.H.W * 4 * len(self._memo)
-                   + self._tag_bits.nbytes + spec[0].nbytes + spec[1].nbytes + spec[2].nbytes + spec[3].nbytes
-                   + spec[6].nbytes)
+        return int(self._base_buf.nbytes + self._grp_buf.nbytes + self.base_index.nbytes
+                   + self.H.W * 4 * len(self._memo) + self._tag_bits.nbytes + spec[0].nbytes + spec[1].nbytes
+                   + spec[2].nbytes + spec[3].nbytes + spec[6].nbytes)
 
     def pack(self, s: int, a: int, k: int, sig: int) -> int:
         """Packed state of (s, a, k, σ); k = C means START."""
@@ -1515,7 +1521,7 @@ class FactoredCanonical:
 
     def _fast_specials(self, s: int) -> None:
         """Build (if missing) the special-token table of regex state s -- the kernels' ``spec`` rows,
-        columns ``kernels.SP_*`` -- and its base row (:meth:`_Analysis.regular_row`, once per signature),
+        columns ``kernels.SP_*`` -- and its base row (:meth:`_regular_row`, once per signature),
         and publish both in a new ``_fspec`` snapshot under key ``_key_of_s[s]``. The special tokens are
         those of :meth:`_Analysis.specials_of`; plain ones carry
         :meth:`_specials`' badmask (bit σ = successor bad, read from ``tag_bits``), context-dependent ones

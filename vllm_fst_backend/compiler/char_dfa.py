@@ -513,14 +513,14 @@ def _read_vector_fst(data: bytes) -> tuple[list[dict], list[bool]]:
     if take_int(4) != _FST_MAGIC:
         raise ValueError("not an OpenFst binary FST")
     fst_type, arc_type = take(take_int(4)).decode(), take(take_int(4)).decode()
-    version, flags = take_int(4), take_int(4)
+    take(4)  # version
+    flags = take_int(4)
     if fst_type != "vector" or arc_type != "standard" or flags != 0:
         raise ValueError(f"unexpected FST {fst_type}/{arc_type} (flags {flags})")
     take(8)  # properties
-    start, S, _E = take_int(8), take_int(8), take_int(8)
-    del version
-    body = np.frombuffer(data[pos:], dtype=np.int32)  # (a copy: aligned)
-    words = body.tolist()
+    start, S = take_int(8), take_int(8)
+    take(8)  # arc count
+    words = np.frombuffer(data[pos:], dtype=np.int32).tolist()  # (data[pos:] is a copy: aligned)
     first = [0] * S  # each state's first arc word
     narcs = [0] * S
     w = 0

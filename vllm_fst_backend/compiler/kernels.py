@@ -883,7 +883,9 @@ def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_cls_ptr, ctx_cls, C):
     CSR ``(ptr int64[G+1], classes int64[n])``, each class once per group (in first-seen order): the
     class ``tclass[v]`` of each token and, for a context-dependent token (``ctx_j[v] >= 0``), every
     class it can reach (``ctx_cls[ctx_cls_ptr[j]:ctx_cls_ptr[j+1]]``, j = ``ctx_j[v]``). The output is
-    sized once by a first pass (no growth, no call per entry)."""
+    sized once by a first pass (no growth). Entries are appended inline, here and in
+    :func:`entering_classes`: a shared helper, even with ``inline="always"``, made the kernel several times
+    slower."""
     G = g_ptr.shape[0] - 1
     bound = g_toks.shape[0]
     for x in range(g_toks.shape[0]):
