@@ -10,7 +10,8 @@ constraints) and each backend, on the same tokenizer (default SmolLM2, 49,152 to
   ``TokenizerInfo``; llguidance: ``LLTokenizer``; outlines: ``Vocabulary``) is done once, outside.
 * **fill**: p50 / p99 in µs of one ``fill_bitmask`` call (one row of an ``int32`` bitmask of the
   backend's width), over random walks that pick uniformly among the allowed tokens (EOS with
-  probability 0.3 when allowed), ``--walks`` walks of at most ``--steps`` steps.
+  probability 0.3 when allowed), ``--walks`` walks of at most ``--steps`` steps, each with a new
+  matcher; one bitmask tensor per backend serves every walk, as vLLM fills one tensor for all requests.
 * **advance**: p50 in µs of accepting the picked token (fst ``accept_tokens``, xgrammar
   ``accept_token``, llguidance ``consume_token``, outlines ``advance``) on the same walks.
 
@@ -96,7 +97,7 @@ class Fst:
         from vllm_fst_backend.runtime import FstMatcher
 
         m = FstMatcher(c)
-        bm = torch.zeros((1, c.num_words), dtype=torch.int32)
+        bm = _bitmask(self, (1, c.num_words), lambda: torch.zeros((1, c.num_words), dtype=torch.int32))
         eos = np.asarray(m.eos_ids)
         return _timed_walk(lambda: m.fill_bitmask(bm, 0), lambda: _ids(bm[0]), lambda t: m.accept_tokens("b", [t]),
                            m.is_terminated, eos, rnd, steps)
@@ -119,7 +120,7 @@ class Xgr:
 
     def walk(self, cg, rnd, steps):
         m = self.xgr.GrammarMatcher(cg)
-        bm = self.xgr.allocate_token_bitmask(1, self.V)
+        bm = _bitmask(self, (1, self.V), lambda: self.xgr.allocate_token_bitmask(1, self.V))
         return _timed_walk(lambda: m.fill_next_token_bitmask(bm, 0), lambda: _ids(bm[0])[: self.V], m.accept_token,
                            m.is_terminated, self.eos, rnd, steps)
 
@@ -146,7 +147,7 @@ class LLG:
     def walk(self, m, rnd, steps):
         import llguidance.torch as lt
 
-        bm = lt.allocate_token_bitmask(1, self.V)
+        bm = _bitmask(self, (1, self.V), lambda: lt.allocate_token_bitmask(1, self.V))
         return _timed_walk(lambda: lt.fill_next_token_bitmask(m, bm, 0), lambda: _ids(bm[0])[: self.V], m.consume_token,
                            m.is_stopped, self.eos, rnd, steps)
 
@@ -172,7 +173,7 @@ class Outlines:
 
     def walk(self, index, rnd, steps):
         g = self.oc.Guide(index)
-        bm = torch.zeros((1, (self.V + 31) // 32), dtype=torch.int32)
+        bm = _bitmask(self, (1, self.V), lambda: torch.zeros((1, (self.V + 31) // 32), dtype=torch.int32))
         row = bm[0]
 
         def accept(tok):
@@ -183,6 +184,15 @@ class Outlines:
         return _timed_walk(lambda: g.write_mask_into(row.data_ptr(), row.numel(), row.element_size()),
                            lambda: _ids(bm[0])[: self.V], accept, lambda: False, self.eos, rnd, steps,
                            stop_before=lambda tok: tok in self.eos or g.is_finished())
+
+
+def _bitmask(backend, key, make):
+    """The backend's bitmask tensor for ``key`` (allocated by ``make()`` on first use, then reused by
+    every walk: vLLM allocates one bitmask per engine and fills it for every request)."""
+    cache = backend.__dict__.setdefault("_bitmasks", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 def _timed_walk(fill, allowed, accept, done, eos, rnd, steps, stop_before=None) -> tuple[list[int], list[int]]:
@@ -345,7 +355,8 @@ def main(argv=None) -> int:
     import os
     cmd = "python scripts/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     note = (f"Tokenizer `{args.tokenizer}` (V = {V}). {args.repeats} cold compiles per cell (median), fill over "
-            f"{args.walks} random walks of ≤ {args.steps} steps. Host: {os.cpu_count()} CPUs, load average "
+            f"{args.walks} random walks of ≤ {args.steps} steps (a new matcher each, one bitmask tensor per backend "
+            "for all walks, as vLLM's one per engine). Host: {os.cpu_count()} CPUs, load average "
             f"{os.getloadavg()[0]:.1f} at the end of the run (other jobs shared the machine). "
             "fst canonical = canonical tokenizations only (the default); fst = any tokenization. "
             "![compile and fill](bench_compile.png)")

@@ -839,10 +839,10 @@ def test_sccs_are_components_in_reverse_topological_order():
 
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_eager_base_rows_equal_lazy_and_survive_pickling(fst_artifacts, monkeypatch, name):
-    """Factored automata with few signatures build every base row at compile (``build_base_rows``) and
-    keep them when stored (``compiler/persist.py``); the rows equal the ones built on first visit (the
-    path of larger automata, forced here with a threshold of 0) and the reference group-row path, and
-    the loaded automaton needs no base row at any visit."""
+    """Factored automata with few signatures build every base row and special-token table at compile
+    (``build_tables``) and keep them when stored (``compiler/persist.py``); the rows equal the ones
+    built on first visit (the path of larger automata, forced here with a threshold of 0) and the
+    reference group-row path, and the loaded automaton builds no base row or table at any visit."""
     import vllm_fst_backend.compiler.canonical_product as cp
     from vllm_fst_backend.compiler import persist
 
@@ -850,34 +850,37 @@ def test_eager_base_rows_equal_lazy_and_survive_pickling(fst_artifacts, monkeypa
     regex = r"[A-Za-z ,]{5,40}\."
     eager = compile_regex(regex, arts, CompileOptions())
     fe = eager.factored
-    assert fe is not None and fe._eager_base is not None
+    assert fe is not None and fe._eager_base is not None and fe._eager_tables is not None
     n_sig = int(fe.base_index.max()) + 1
-    assert (fe._base_of_sig >= 0).all() and len(fe._fspec[5]) == n_sig
+    assert (fe._base_of_sig >= 0).all() and len(fe._fspec[5]) == n_sig and (fe._fspec[1] >= 0).all()
     monkeypatch.setattr(cp.FactoredCanonical, "EAGER_BASE_SIGNATURES", 0)
     lazy = compile_regex(regex, arts, CompileOptions())
     fl = lazy.factored
-    assert fl._eager_base is None and (fl._base_of_sig < 0).all()
+    assert fl._eager_base is None and (fl._base_of_sig < 0).all() and (fl._fspec[1] < 0).all()
     loaded = persist.loads(persist.dumps(eager), arts).factored
-    assert (loaded._base_of_sig >= 0).all()
+    assert (loaded._base_of_sig >= 0).all() and (loaded._fspec[1] >= 0).all()
     built = []
     monkeypatch.setattr(cp.FactoredCanonical, "_regular_row", lambda self, s, have_lock=False: built.append(s))
+    monkeypatch.setattr(cp.FactoredCanonical, "_fast_specials", lambda self, s: built.append(s))
     for s in range(fe.M.num_states):
         ref = fe.an.regular_row_groups(s)
         assert np.array_equal(loaded._base_row(s), ref), s
         assert np.array_equal(fe._base_row(s), ref), s
-    assert not built  # every base row came from the stored ones
-    monkeypatch.undo()
-    for s in range(fl.M.num_states):
-        assert np.array_equal(fl._base_row(s), fe.an.regular_row_groups(s)), s
     rng = np.random.default_rng(2)
     eos = np.asarray(arts.eos_ids)
-    for _ in range(3):  # the product rows along random walks: the same in all three
-        x = 0
+    walked = []  # (state, row) along random walks of the loaded automaton (compiled steps)
+    for _ in range(3):
+        x, r = 0, loaded.row(0)
         for _step in range(30):
-            r = loaded.row(x)
-            assert np.array_equal(r, fl.row(x)) and np.array_equal(r, fe.row(x))
+            walked.append((x, r))
             ids = cp.ids_of_row(r)
             ids = ids[~np.isin(ids, eos)]
             if not len(ids):
                 break
-            x = loaded.next_state(x, int(rng.choice(ids)))
+            x, r = loaded.advance(x, r, int(rng.choice(ids)))
+    assert not built  # every base row and table came from the stored ones
+    monkeypatch.undo()
+    for s in range(fl.M.num_states):
+        assert np.array_equal(fl._base_row(s), fe.an.regular_row_groups(s)), s
+    for x, r in walked:  # the product rows: the same in all three
+        assert np.array_equal(r, fl.row(x)) and np.array_equal(r, fe.row(x)), x

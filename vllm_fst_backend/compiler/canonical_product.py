@@ -1286,8 +1286,9 @@ class FactoredCanonical:
     Rows are computed on first use (``base[s] & ~banned[k] & la_row[σ]`` + special tokens + EOS)
     and memoized in an LRU of ``memo_rows`` entries (thread-safe). The base row of a regex state (its
     regular tokens whose successor is good, :meth:`_regular_row`) is built at compile for automata with at
-    most :attr:`EAGER_BASE_SIGNATURES` signatures (:meth:`build_base_rows`), else on the first visit of its
-    signature, like the state's special-token table. The computation is compiled
+    most :attr:`EAGER_BASE_SIGNATURES` signatures (:meth:`build_tables`, with the special-token tables when
+    there are at most :attr:`EAGER_TABLE_KEYS` of them), else on the first visit of its signature, like
+    the state's special-token table. The computation is compiled
     (:mod:`.kernels`, numba, GIL released): :meth:`compute_row` reads the banned set of k from the
     filter's CSR (contiguous) and checks the special tokens of s from a per-signature table;
     :meth:`advance` (the matcher's decoding step) computes the successor of a token and its row in one
@@ -1332,7 +1333,8 @@ class FactoredCanonical:
                           else np.arange(M.num_states, dtype=np.int64))
         self._spec_static = None  # per special token of the analysis: the state-independent columns
         self._edges_py = None  # Python lists of M's CSR for next_state (built on first use)
-        self._eager_base = None  # (rows int32[n, W], row per signature int64[n_sig]): build_base_rows
+        self._eager_base = None  # (rows int32[n, W], row per signature int64[n_sig]): build_tables
+        self._eager_tables = None  # the special-token tables and their tag rows (build_tables)
         self.reset_caches()
 
     def reset_caches(self) -> None:
@@ -1354,7 +1356,7 @@ class FactoredCanonical:
         n_sig = (int(self.base_index.max()) + 1) if len(self.base_index) else 1
         self._base_of_sig = np.full(n_sig, -1, dtype=np.int64)  # row of _base_buf per signature
         eager = getattr(self, "_eager_base", None)
-        if eager is not None:  # the rows built at compile (build_base_rows; stored with the automaton)
+        if eager is not None:  # the rows built at compile (build_tables; stored with the automaton)
             self._base_buf, self._base_of_sig = eager[0], eager[1].copy()
         n_keys = (int(self._key_of_s.max()) + 1) if len(self._key_of_s) else 1
         self._tag_row_arr = np.full(int(self.an.tag.max(initial=0)) + 1, -1, dtype=np.int64)
@@ -1365,6 +1367,13 @@ class FactoredCanonical:
         self._fspec = (np.zeros((0, 7), np.int64), np.full(n_keys, -1, np.int64), np.full(n_keys, -1, np.int64),
                        np.zeros((1, 2), np.int64), self._tag_bits, self._base_buf.view(np.uint32),
                        np.full(n_keys, -1, np.int64))
+        tables = getattr(self, "_eager_tables", None)
+        if tables is not None:  # every special-token table, built at compile (build_tables): copies, as
+            spec, lo, hi, icache, tag_bits, slot, tag_row_arr, has_inner = tables  # decodes append/write
+            self._spec_buf, self._tag_bits, self._tag_row_arr = spec.copy(), tag_bits.copy(), tag_row_arr.copy()
+            self._tag_buf, self._has_inner = self._tag_bits, has_inner
+            self._fspec = (self._spec_buf, lo.copy(), hi.copy(), icache.copy(), self._tag_bits,
+                           self._base_buf.view(np.uint32), slot.copy())
 
     _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_buf", "_spec_buf", "_tag_row_arr",
                "_fspec", "_base_buf", "_base_of_sig", "_grp_buf", "_grp")
@@ -1582,14 +1591,22 @@ class FactoredCanonical:
         slot[need] = n0 + np.arange(len(need))
         self._grp = (slot, self._grp_buf[: n0 + len(need)])
 
-    # automata with at most this many signatures get every base row at compile (build_base_rows): a few
+    # automata with at most this many signatures get every base row at compile (build_tables): a few
     # ms, and a decode of bounded free text, which reaches a new signature every few steps, never waits
     # for one; larger ones (JSON schemas with bounded strings) build them on first visit
     EAGER_BASE_SIGNATURES = 128
+    # automata with at most this many special-token tables (keys) also get every table at compile: ~10 µs
+    # each, where a first visit in a decode paid tens of µs of Python around it
+    EAGER_TABLE_KEYS = 128
 
-    def build_base_rows(self) -> None:
-        """Build the base row of every signature now and keep them with the automaton (pickled, restored by
-        :meth:`reset_caches`)."""
+    def build_tables(self) -> None:
+        """Build now, and keep with the automaton (pickled, restored by :meth:`reset_caches`), the base row
+        of every signature and, with at most :attr:`EAGER_TABLE_KEYS` keys, every special-token table
+        (with the ``tag_bits`` rows they read): a decode then computes each row in one kernel call."""
+        n_keys = int(self._key_of_s.max(initial=-1)) + 1
+        if n_keys <= self.EAGER_TABLE_KEYS:
+            for s in np.unique(self._key_of_s, return_index=True)[1].tolist():
+                self._fast_specials(int(s))
         first = np.unique(self.base_index, return_index=True)[1]
         with self._lock:
             todo = [(sig, int(s)) for sig, s in enumerate(first.tolist()) if self._base_of_sig[sig] < 0]
@@ -1602,6 +1619,10 @@ class FactoredCanonical:
                 self._fspec = snap[:5] + (self._base_buf[: n0 + len(todo)].view(np.uint32), snap[6])
             n = len(self._fspec[5])
             self._eager_base = (np.array(self._base_buf[:n]), self._base_of_sig.copy())
+            spec, lo, hi, icache, tag_bits, _, slot = self._fspec
+            built = bool((lo >= 0).all())
+            self._eager_tables = ((np.array(spec), lo.copy(), hi.copy(), icache.copy(), np.array(tag_bits),
+                                   slot.copy(), self._tag_row_arr.copy(), self._has_inner) if built else None)
 
     def _base_row(self, s: int) -> np.ndarray:
         """``int32[W]``: the base row of regex state s, built with its key's table when missing."""
@@ -2067,7 +2088,7 @@ def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadli
     fc.reset_caches()  # (the attempt's rows and special tables: rebuilt on demand where a decode goes)
     if int(base_index.max(initial=-1)) + 1 <= fc.EAGER_BASE_SIGNATURES:
         t3 = time.perf_counter()
-        fc.build_base_rows()
+        fc.build_tables()
         st["ms_rows"] += 1e3 * (time.perf_counter() - t3)
     st["mode"] = "factored"
     S = M.num_states

@@ -23,6 +23,9 @@ import numpy as np
 
 __all__ = ["FstMatcher"]
 
+# (tensor, numpy view or None) of the last bitmask a matcher of this process filled (fill_bitmask)
+_LAST_VIEW: list = [None]
+
 
 class FstMatcher:
     """Matcher over a :class:`~vllm_fst_backend.compiler.CompiledAutomaton` (module docstring).
@@ -202,11 +205,14 @@ class FstMatcher:
         W = self._W
         cache = self._np_cache
         if cache is None or cache[0] is not bitmask:
-            try:  # a CPU tensor (vLLM's bitmask): write through a cached numpy view (~1 µs)
-                arr = bitmask.numpy()
-            except (RuntimeError, TypeError):
-                arr = None
-            cache = self._np_cache = (bitmask, arr)
+            cache = _LAST_VIEW[0]  # vLLM fills one bitmask tensor for every request: a new matcher reuses
+            if cache is None or cache[0] is not bitmask:  # the view the last one made
+                try:  # a CPU tensor (vLLM's bitmask): write through a cached numpy view (~1 µs)
+                    arr = bitmask.numpy()
+                except (RuntimeError, TypeError):
+                    arr = None
+                cache = _LAST_VIEW[0] = (bitmask, arr)
+            self._np_cache = cache
         arr = cache[1]
         if arr is not None:
             arr[idx, :W] = self._eos_row if self._terminated else self._row
