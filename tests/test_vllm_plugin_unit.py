@@ -491,6 +491,51 @@ def test_manager_creates_fst_backend_and_routes_options(fake_stages):
     assert mask.shape == (2, 2) and mask.dtype == torch.int32
 
 
+def test_manager_loads_a_compiled_constraint_on_its_own_thread(fake_stages):
+    """A constraint already compiled (here by a first request; in a server by the API server's check)
+    gets its grammar in ``grammar_init`` itself, not through vLLM's grammar thread pool; a new one, a
+    request routed to the fallback and one that would fail still go to the pool (which reports errors)."""
+    from concurrent.futures import Future
+
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    submitted = []
+
+    class Pool:
+        def submit(self, fn, *args):
+            submitted.append(args[0].request_id)
+            f = Future()
+            try:
+                f.set_result(fn(*args))
+            except Exception as e:  # (as the pool would: the error travels in the future)
+                f.set_exception(e)
+            return f
+
+    mgr = object.__new__(StructuredOutputManager)
+    mgr.backend = None
+    mgr.vllm_config = _vllm_config()
+    mgr.tokenizer = None
+    mgr._use_async_grammar_compilation = True
+    mgr.executor = Pool()
+    first = _engine_request("r1", regex="ab")
+    mgr.grammar_init(first)
+    assert submitted == ["r1"] and isinstance(first.structured_output_request._grammar, Future)
+    assert isinstance(first.structured_output_request.grammar, vbackend.FstGrammar)
+    again = _engine_request("r2", regex="ab")
+    mgr.grammar_init(again)
+    assert submitted == ["r1"] and isinstance(again.structured_output_request._grammar, vbackend.FstGrammar)
+    assert len(COMPILE_CALLS) == 1  # loaded, not compiled again
+    other = _engine_request("r3", regex="cd")  # new constraint: compiled in the pool
+    mgr.grammar_init(other)
+    assert submitted == ["r1", "r3"] and isinstance(other.structured_output_request.grammar, vbackend.FstGrammar)
+    routed = _engine_request("r4", regex="ab")
+    routed.sampling_params.structured_outputs._backend = "xgrammar"  # the API server chose the fallback
+    assert mgr.backend.cached_vllm_grammar(routed) is None
+    bad = _engine_request("r5", regex="ab", extra_args={"fst_scripts": "no-such-script"})
+    mgr.grammar_init(bad)
+    assert submitted[-1] == "r5" and isinstance(bad.structured_output_request.grammar, Exception)
+
+
 def test_grammar_adapter(fake_stages):
     backend = vbackend.FstBackend(_vllm_config(), tokenizer=None, vocab_size=70)  # 3 words > tokenizer's 2
     g = backend.compile_request("REGEX", "abc", stop_token_ids={EOS, 33}, request_id="r")

@@ -95,6 +95,20 @@ class TokenDFA:
         return -1
 
 
+def _unique_bool_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(x, axis=0, return_inverse=True)`` for a 2-D ``bool`` array (same rows, same order,
+    ``inverse`` as ``int64[n]``), through the rows packed into bytes: numpy's ``axis=0`` path took ~10 ms
+    for a few thousand rows of a JSON schema's walk, this one a fraction of a ms. Packed big-endian,
+    byte order equals the rows' lexicographic order (False < True)."""
+    if not x.size:
+        keys, inv = np.unique(x, axis=0, return_inverse=True)
+        return keys, inv.reshape(-1).astype(np.int64)
+    packed = np.ascontiguousarray(np.packbits(x, axis=1))
+    rows = packed.view(np.dtype((np.void, packed.shape[1]))).reshape(-1)
+    _, first, inv = np.unique(rows, return_index=True, return_inverse=True)
+    return x[first], inv.reshape(-1).astype(np.int64)
+
+
 def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
     """Partition bytes by equal columns of ``table``. Returns (bcls int32[256] with -1 = dead byte, K,
     rep_byte int32[K] = smallest byte of each class). Columns are hashed (two random projections),
@@ -530,8 +544,7 @@ class _FusedWalk:
             return src, 0
         rest = [src[m < 0]]
         n_emit = 0
-        keys, inv = np.unique(xm[chain], axis=0, return_inverse=True)
-        inv = inv.reshape(-1)
+        keys, inv = _unique_bool_rows(xm[chain])
         no = self._no_out
         for v in range(len(keys)):
             sel = chain[inv == v]

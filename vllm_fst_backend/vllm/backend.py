@@ -208,11 +208,21 @@ class FstBackend(_BackendBase):
         whitespace_pattern: str | None = None,
         stop_token_ids: Iterable[int] | None = None,
         request_id: str | None = None,
-    ) -> FstGrammar:
+        cached_only: bool = False,
+    ) -> FstGrammar | None:
+        """The grammar of one constraint (regex, choice, JSON schema, ``json_object``), compiled within the
+        engine's budget or loaded from a cache; ``cached_only``: None when no cache holds it yet.
+
+        Raises:
+            The compiler's errors (``InvalidConstraintError``, ``UnsupportedSchemaError``,
+            ``CompileBudgetError``, ``EmptyLanguageError``, ...).
+        """
         options = options or FstRequestOptions()
         kind = getattr(request_type, "name", str(request_type))
         regex = constraint_to_regex(request_type, grammar_spec, whitespace_pattern)
-        res = self.context.compile(regex, options, _context.compile_budget_s("engine"))
+        res = self.context.compile(regex, options, _context.compile_budget_s("engine"), cached_only=cached_only)
+        if res is None:
+            return None
         metric_inc("requests")
         if res.cache_hit:
             metric_inc("cache_hits")
@@ -237,18 +247,33 @@ class FstBackend(_BackendBase):
             options=options,
         )
 
-    def compile_vllm_request(self, request: Any) -> Any:
+    def cached_vllm_grammar(self, request: Any) -> FstGrammar | None:
+        """fst's grammar for a ``vllm.v1.request.Request`` when its automaton is already compiled (this
+        process's cache or the host's disk cache, where the API server's compile check left it: a load of
+        about a millisecond), else None, also for requests of the fallback and for any error (the caller
+        then takes :meth:`compile_vllm_request` in vLLM's grammar thread pool, which reports it)."""
+        so = getattr(request.sampling_params, "structured_outputs", None)
+        if request.structured_output_request is None or getattr(so, "_backend", None) != BACKEND_NAME:
+            return None
+        try:
+            return self.compile_vllm_request(request, cached_only=True)
+        except Exception:
+            return None
+
+    def compile_vllm_request(self, request: Any, cached_only: bool = False) -> Any:
         """Grammar for a ``vllm.v1.request.Request``: fst's (options from ``sampling_params.extra_args``),
         or the fallback backend's when the API server routed it there (:func:`routed_backend`: a built-in
         backend's name in ``_backend``, or under :data:`FALLBACK_ROUTE_ATTR` on vLLM 0.33) or when fst
         cannot express it (grammar, structural_tag, an unsupported schema that reached the engine
-        unchecked)."""
+        unchecked). ``cached_only``: fst's grammar only if no compile is needed, else None."""
         sp = request.sampling_params
         so_req = request.structured_output_request
         request_type, spec = so_req.structured_output_key
         stop_ids = getattr(sp, "all_stop_token_ids", None)
         routed = routed_backend(so_req.params)
         kind = getattr(request_type, "name", str(request_type))
+        if cached_only and (routed is not None or needs_fallback(kind)):
+            return None
         if routed is not None or needs_fallback(kind):
             name = routed if routed is not None else self.fallback.default_name()
             return self.fallback.compile(name, request_type, spec, stop_token_ids=stop_ids)
@@ -260,8 +285,11 @@ class FstBackend(_BackendBase):
                 whitespace_pattern=getattr(so_req.params, "whitespace_pattern", None),
                 stop_token_ids=stop_ids,
                 request_id=request.request_id,
+                cached_only=cached_only,
             )
         except (UnsupportedSchemaError, CompileBudgetError) as e:  # reached the engine unchecked
+            if cached_only:
+                return None
             try:
                 name = self.fallback.default_name()
             except InvalidOptionError:  # VLLM_FST_FALLBACK=none: the request fails with fst's error

@@ -311,15 +311,18 @@ class TokenizerContext:
                     metric_inc("disk_cache_loads")
         return got
 
-    def compile(self, regex: str, options: FstRequestOptions, budget_s: float | None = None) -> CompileResult:
+    def compile(self, regex: str, options: FstRequestOptions, budget_s: float | None = None, *,
+                cached_only: bool = False) -> CompileResult | None:
         """Compile (or take from this process's cache or the host's disk cache) ``regex`` under
         ``options`` within ``budget_s`` seconds (default: :func:`compile_budget_s` ``("validate")``); a
-        fresh automaton is stored on disk for the host's other processes. Raises the compiler's errors
-        (not cached)."""
+        fresh automaton is stored on disk for the host's other processes. ``cached_only``: None instead
+        of compiling when neither cache has it. Raises the compiler's errors (not cached)."""
         t0 = time.monotonic()
         hit = self.peek(regex, options)
         if hit is not None:
             return CompileResult(hit, (time.monotonic() - t0) * 1e3, True)
+        if cached_only:
+            return None
         budget = compile_budget_s("validate") if budget_s is None else budget_s
         t0 = time.monotonic()
         compiled = self.cache.get_or_compile(
