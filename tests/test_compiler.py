@@ -838,6 +838,45 @@ def test_sccs_are_components_in_reverse_topological_order():
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
+def test_loaded_schema_automaton_builds_its_tables_on_first_use_with_the_same_rows(fst_artifacts, name):
+    """A stored JSON-schema automaton (factored, bounded strings: bad tables, more than 128 signatures)
+    loads without rebuilding its group arrays and bad tables (built on first use, ``_Analysis.__getattr__``);
+    along random walks its rows equal the compiled automaton's, and once built its bad tables equal the
+    compiled ones."""
+    from vllm_fst_backend.compiler import persist
+    from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
+
+    arts = fst_artifacts(name)
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                               "maxItems": 3},
+        "kind": {"enum": ["a b", "c"]}, "n": {"type": "integer", "minimum": -5, "maximum": 300}},
+        "required": ["name", "kind"], "additionalProperties": False}
+    c = compile_regex(json_schema_to_regex(schema), arts, CompileOptions())
+    fc = c.factored
+    assert fc is not None and fc._eager_tables is None and any(t is not None for t in fc.an.bad)
+    loaded = persist.loads(persist.dumps(c), arts)
+    an = loaded.factored.an
+    assert "_tag_compact" in an.__dict__ and "bad" not in an.__dict__ and "g_toks" not in an.__dict__
+    rng = np.random.default_rng(5)
+    eos = set(np.asarray(arts.eos_ids).tolist())
+    for _ in range(4):
+        m, ref = FstMatcher(loaded), FstMatcher(c)
+        for _step in range(60):
+            ids = m.allowed_token_ids()
+            assert np.array_equal(ids, ref.allowed_token_ids())
+            ids = [t for t in ids.tolist() if t not in eos]
+            if not ids:
+                break
+            t = int(rng.choice(ids))
+            assert m.accept_tokens("r", [t]) and ref.accept_tokens("r", [t])
+    assert len(an.bad) == len(fc.an.bad) and all(
+        (a is None and b is None) or np.array_equal(a, b) for a, b in zip(an.bad, fc.an.bad))
+    assert an._tag_full.keys() == fc.an._tag_full.keys()
+    assert np.array_equal(an.g_toks, fc.an.g_toks) and np.array_equal(an.g_ptr, fc.an.g_ptr)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
 def test_eager_base_rows_equal_lazy_and_survive_pickling(fst_artifacts, monkeypatch, name):
     """Factored automata with few signatures build every base row and special-token table at compile
     (``build_tables``) and keep them when stored (``compiler/persist.py``); the rows equal the ones

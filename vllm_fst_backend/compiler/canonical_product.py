@@ -459,6 +459,7 @@ class _Analysis:
         tg = M.token_group
         self.G = M.num_groups
         self._token_arrays()
+        self._group_arrays()
         self.best = self._witness_table()
         # special tokens: list with their group
         self.spec_toks = np.flatnonzero(self.special & (tg >= 0)).astype(np.int64)
@@ -488,24 +489,54 @@ class _Analysis:
             self._ent_ptr, self._ent_cls, self._ent_wide = self._entering_table()
 
     def _token_arrays(self) -> None:
-        """The per-token arrays (built at construction and on load: not pickled, V-sized): the tokens of
-        each group (``g_toks``, ``g_ptr``, ``g_size``), the byte-fallback acceptor's move from state 0
-        (``bf_start``), the token categories ``special`` / ``regular`` and ``tclass_safe``."""
-        M, H = self.M, self.H
-        self.g_toks, self.g_ptr = _kernels().group_tokens(np.ascontiguousarray(M.token_group, dtype=np.int32), self.G)
-        self.g_size = np.diff(self.g_ptr)
-        valid = H.tclass >= 0
-        is_bf = H.tok_bf_byte >= 0
-        self.bf_start = np.full(H.V, -3, dtype=np.int64)  # acceptor move from state 0 (-1 reject, <=-2 exit)
-        if H.acc is not None:
-            self.bf_start[is_bf] = H.acc[0, H.tok_bf_byte[is_bf]]
-        bf_inner = is_bf & (self.bf_start >= 0)
-        bf_reject = is_bf & (self.bf_start == -1)
-        self.special = valid & ((H.j_of >= 0) | bf_inner | (H.ctx_j >= 0))
-        self.regular = valid & ~self.special & ~bf_reject
-        self.tclass_safe = np.maximum(H.tclass, 0)  # (class, -1 -> 0)
+        """The per-token arrays (V-sized, not pickled): the byte-fallback acceptor's move from state 0
+        (``bf_start``), the token categories ``special`` / ``regular`` and ``tclass_safe`` depend on the
+        tokenizer only, so they are built once per process and helper and shared (never written); the
+        tokens of each group (``g_toks``, ``g_ptr``, ``g_size``) on first use (:meth:`__getattr__`)."""
+        H = self.H
+        cats = getattr(H, "_fst_tok_cats", None)
+        if cats is None:
+            valid = H.tclass >= 0
+            is_bf = H.tok_bf_byte >= 0
+            bf_start = np.full(H.V, -3, dtype=np.int64)  # acceptor move from state 0 (-1 reject, <=-2 exit)
+            if H.acc is not None:
+                bf_start[is_bf] = H.acc[0, H.tok_bf_byte[is_bf]]
+            bf_inner = is_bf & (bf_start >= 0)
+            bf_reject = is_bf & (bf_start == -1)
+            special = valid & ((H.j_of >= 0) | bf_inner | (H.ctx_j >= 0))
+            regular = valid & ~special & ~bf_reject
+            cats = H._fst_tok_cats = (bf_start, special, regular, np.maximum(H.tclass, 0))  # (class, -1 -> 0)
+        self.bf_start, self.special, self.regular, self.tclass_safe = cats
         # (no packed group rows: regular_row's token-by-token path)
         self._no_grp = (np.full(max(self.G, 1), -1, dtype=np.int64), np.zeros((0, H.W), dtype=np.uint32))
+
+    def _group_arrays(self) -> None:
+        """The tokens of each group: ``g_toks`` (token ids grouped), ``g_ptr`` (``int64[G+1]`` offsets),
+        ``g_size``."""
+        g_toks, g_ptr = _kernels().group_tokens(np.ascontiguousarray(self.M.token_group, dtype=np.int32), self.G)
+        self.g_toks, self.g_ptr, self.g_size = g_toks, g_ptr, np.diff(g_ptr)
+
+    def _expand_tags(self) -> None:
+        """``_tag_full`` (tag -> ``bool[nσ, C]``) and ``bad`` (per state) from the stored flat indices."""
+        full = {}
+        for tag, (shape, idx) in self.__dict__.pop("_tag_compact").items():
+            tab = np.zeros(shape, dtype=bool)
+            tab.flat[idx] = True
+            full[tag] = tab
+        self._tag_full = full
+        self.bad = [None if t == 0 else full[t] for t in self.tag.tolist()]
+
+    def __getattr__(self, name: str):
+        """A loaded analysis builds some members on first use, not in :meth:`__setstate__` (loading is on
+        the engine's request path; a decode that stays in the stored rows never needs them): the group
+        arrays (:meth:`_group_arrays`) and the bad tables (:meth:`_expand_tags`)."""
+        if name in ("g_toks", "g_ptr", "g_size") and "M" in self.__dict__:
+            self._group_arrays()
+        elif name in ("bad", "_tag_full") and "_tag_compact" in self.__dict__:
+            self._expand_tags()
+        else:
+            raise AttributeError(name)
+        return self.__dict__[name]
 
     def _witness_table(self) -> np.ndarray:
         """``int32[G, L]``: the best witness per (group, lookahead class): the regular token of the group
@@ -529,26 +560,21 @@ class _Analysis:
         for name in self._MEMOS:
             state[name] = {}
         state["_gmat"] = state["_gbuilt"] = state["_sp_e"] = None
-        state["_tag_full"] = {tag: (tab.shape, np.flatnonzero(tab).astype(np.int32)) for tag, tab in self._tag_full.items()}
-        state["bad"] = state["_tab"] = state["_tags"] = None
+        state["_tag_compact"] = {tag: (tab.shape, np.flatnonzero(tab).astype(np.int32))
+                                 for tag, tab in self._tag_full.items()}
+        state["_tab"] = state["_tags"] = None
         # the entering classes serve the analysis only (a loaded one decides every class)
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
         # (V- and G-sized, rebuilt on load; the witness table only when a loaded analysis analyses again)
         state["best"] = None
-        for name in ("g_toks", "g_ptr", "g_size", "bf_start", "special", "regular", "tclass_safe", "_no_grp"):
-            state[name] = None
+        for name in ("bad", "_tag_full", "g_toks", "g_ptr", "g_size", "bf_start", "special", "regular",
+                     "tclass_safe", "_no_grp"):
+            state.pop(name, None)  # (bad, _tag_full and the group arrays: rebuilt on first use)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._token_arrays()
-        full = {}
-        for tag, (shape, idx) in self._tag_full.items():
-            tab = np.zeros(shape, dtype=bool)
-            tab.flat[idx] = True
-            full[tag] = tab
-        self._tag_full = full
-        self.bad = [None if t == 0 else full[t] for t in self.tag.tolist()]
 
     def _tag_index(self) -> None:
         """Rebuild ``_tags`` (table bytes -> tag, needed only to analyse again) and ``_tab`` (σ=ALL rows per
