@@ -238,6 +238,40 @@ def test_service_schedules_light_constraints_past_heavy_ones():
     assert got[1][0] == 6000 and svc._n_heavy == 1
 
 
+def test_service_keeps_a_process_for_quick_constraints():
+    """One process beyond ``workers`` serves quick constraints (a short regex or choice) only: with the
+    general process busy, another schema waits while a quick regex starts at once; a quick one may also
+    take the general process."""
+    svc = _pool(workers=1)
+    assert svc.n_workers == 2 and svc.quick("REGEX", 300) and svc.quick("CHOICE", 40)
+    assert not svc.quick("JSON", 50) and not svc.quick("REGEX", 1000)
+    slow = svc._acquire(90)
+    got: list = []
+    _acquire_in_thread(svc, 80, got)  # a second schema: waits for the general process
+    _wait_for(lambda: len(svc._waiting) == 1)
+    w = svc._acquire(30, quick=True)  # the quick lane, at once
+    assert got == [] and svc._n_slow == 1
+    svc._release(w, 30, quick=True)
+    svc._release(slow, 90)
+    _wait_for(lambda: len(got) == 1)
+    q1 = svc._acquire(20, quick=True)  # both processes busy now: one with the schema, one with q1
+    got2: list = []
+
+    def run():
+        got2.append(svc._acquire(25, quick=True))
+
+    import threading
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    _wait_for(lambda: len(svc._waiting) == 1)
+    svc._release(got[0][1], 80)  # the general process is free: the waiting quick one takes it
+    _wait_for(lambda: len(got2) == 1)
+    svc._release(q1, 20, quick=True)
+    svc._release(got2[0], 25, quick=True)
+    assert svc._n_slow == 0 and svc._n_heavy == 0
+
+
 def test_service_serves_waiting_requests_shortest_first():
     svc = _pool(workers=1)
     first = svc._acquire(50)

@@ -21,8 +21,11 @@ requests one at a time each:
 * the automaton is written to the host-shared :class:`~.persist.DiskCache`, where the engine core and
   the workers load it instead of compiling again;
 * scheduling: waiting requests get a free process shortest-estimated-first (:func:`cost_hint`: text
-  length plus bounded repetitions), and constraints estimated heavy may hold at most ``workers - 1``
-  processes at once, so a short constraint never waits behind long compiles only.
+  length plus bounded repetitions); constraints estimated heavy may hold at most ``workers - 1``
+  processes at once, so a short constraint never waits behind long compiles only; and one process more
+  than ``workers`` (``quick_workers``) serves only *quick* constraints (a regex or choice list with a
+  cost of at most :data:`QUICK_COST`, compiled in a few ms): under load a JSON schema compiles for
+  hundreds of ms, and a date regex behind it waited that long for a process.
 
 Wire format (both directions): 8-byte little-endian length + pickle. Request: dict with ``kind``,
 ``spec``, ``whitespace_pattern``, ``options`` (:class:`~.options.CompileOptions`), ``budget_s``.
@@ -48,7 +51,7 @@ from typing import Any
 from .. import errors as _errors
 from ..errors import CompileBudgetError, CompileMemoryError, CompileServiceError
 
-__all__ = ["CompileService", "memory_budget_from_env", "CheckResult", "cost_hint", "LIGHT_COST"]
+__all__ = ["CompileService", "memory_budget_from_env", "CheckResult", "cost_hint", "LIGHT_COST", "QUICK_COST"]
 
 _LEN = struct.Struct("<Q")
 _POLL_S = 0.02
@@ -58,6 +61,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _QUANT = re.compile(r"\{(\d{1,9})(?:,(\d{0,9}))?\}")
 _JSON_BOUND = re.compile(r'"(?:maxLength|maxItems|maxProperties|maxContains)"\s*:\s*(\d{1,9})')
 LIGHT_COST = 800  # cost_hint at or below which a constraint is "light" (compiles in ~<100 ms at SmolLM2)
+QUICK_COST = 450  # a regex or choice list at or below: "quick" (compiles in ~2-4 ms at SmolLM2, isolated)
 
 
 def cost_hint(kind: str, spec: Any) -> int:
@@ -232,23 +236,29 @@ class CompileService:
         start_timeout_s: time allowed for a child to load artifacts and prepare (Tekken: ~15 s).
         light_cost: :func:`cost_hint` at or below which a constraint is light; heavier ones hold at most
             ``workers - 1`` processes at once (module docstring, scheduling).
+        quick_workers: processes beyond ``workers`` that only quick constraints may take (regex or
+            choice, cost at most ``quick_cost``); quick ones may take any free process.
     """
 
     def __init__(self, artifacts_dir: str | os.PathLike, tokenizer_path: str | None = None, *, workers: int = 3,
                  memory_budget_bytes: int | None = None, deadline_margin_s: float = 2.0,
-                 start_timeout_s: float = 120.0, light_cost: int = LIGHT_COST):
+                 start_timeout_s: float = 120.0, light_cost: int = LIGHT_COST, quick_workers: int = 1,
+                 quick_cost: int = QUICK_COST):
         self.artifacts_dir = str(artifacts_dir)
         self.tokenizer_path = tokenizer_path
-        self.n_workers = max(1, int(workers))
+        self.n_general = max(1, int(workers))  # processes the constraints that are not quick may hold
+        self.n_workers = self.n_general + max(0, int(quick_workers))
+        self.quick_cost = int(quick_cost)
         self.memory_budget = memory_budget_bytes if memory_budget_bytes is not None else memory_budget_from_env()
         self.deadline_margin_s = deadline_margin_s
         self.start_timeout_s = start_timeout_s
         self.light_cost = int(light_cost)
-        self.heavy_cap = max(1, self.n_workers - 1)  # processes heavy constraints may hold at once
+        self.heavy_cap = max(1, self.n_general - 1)  # processes heavy constraints may hold at once
         self._idle: deque[_Worker] = deque()
         self._n_live = 0
         self._n_heavy = 0
-        self._waiting: list[tuple[int, int]] = []  # (cost, ticket) of the requests waiting for a process
+        self._n_slow = 0  # processes held by constraints that are not quick
+        self._waiting: list[tuple[int, int, bool]] = []  # (cost, ticket, quick) of the requests waiting
         self._tickets = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -272,25 +282,31 @@ class CompileService:
     def _heavy(self, cost: int) -> bool:
         return cost > self.light_cost
 
-    def _eligible(self, cost: int) -> bool:
-        return not self._heavy(cost) or self._n_heavy < self.heavy_cap
+    def quick(self, kind: str, cost: int) -> bool:
+        """Whether a constraint of ``kind`` and :func:`cost_hint` ``cost`` is quick (module docstring)."""
+        return kind in ("REGEX", "CHOICE") and cost <= self.quick_cost
 
-    def _my_turn(self, entry: tuple[int, int]) -> bool:
+    def _eligible(self, cost: int, quick: bool) -> bool:
+        if quick:
+            return True
+        return self._n_slow < self.n_general and (not self._heavy(cost) or self._n_heavy < self.heavy_cap)
+
+    def _my_turn(self, entry: tuple[int, int, bool]) -> bool:
         """Whether ``entry`` is the first waiting request (in (cost, arrival) order) that may take a
         process now. Caller holds the lock."""
         if not (self._idle or self._n_live < self.n_workers):
             return False
         for e in sorted(self._waiting):
-            if self._eligible(e[0]):
+            if self._eligible(e[0], e[2]):
                 return e == entry
         return False
 
-    def _acquire(self, cost: int = 0) -> _Worker:
-        heavy = self._heavy(cost)
+    def _acquire(self, cost: int = 0, quick: bool = False) -> _Worker:
+        heavy = self._heavy(cost) and not quick
         with self._cond:
             if self._closed:
                 raise CompileServiceError("compile service is closed")
-            entry = (int(cost), next(self._tickets))
+            entry = (int(cost), next(self._tickets), bool(quick))
             self._waiting.append(entry)
             try:
                 while not self._my_turn(entry):
@@ -301,6 +317,7 @@ class CompileService:
                 self._waiting.remove(entry)
                 self._cond.notify_all()
             self._n_heavy += heavy
+            self._n_slow += not quick
             if self._idle:
                 return self._idle.popleft()
             self._n_live += 1
@@ -310,12 +327,14 @@ class CompileService:
             with self._cond:
                 self._n_live -= 1
                 self._n_heavy -= heavy
+                self._n_slow -= not quick
                 self._cond.notify_all()
             raise CompileServiceError(f"cannot start the compile process: {e}") from None
 
-    def _release(self, w: _Worker | None, cost: int = 0) -> None:
+    def _release(self, w: _Worker | None, cost: int = 0, quick: bool = False) -> None:
         with self._cond:
-            self._n_heavy -= self._heavy(cost)
+            self._n_heavy -= self._heavy(cost) and not quick
+            self._n_slow -= not quick
             if w is not None and w.alive() and not self._closed:
                 self._idle.append(w)
             else:
@@ -347,7 +366,8 @@ class CompileService:
 
         t0 = time.monotonic()
         cost = cost_hint(kind, spec)
-        w = self._acquire(cost)
+        quick = self.quick(kind, cost)
+        w = self._acquire(cost, quick)
         req = dict(kind=kind, spec=spec, whitespace_pattern=whitespace_pattern,
                    options=options if options is not None else CompileOptions(), budget_s=float(budget_s))
         try:
@@ -368,12 +388,12 @@ class CompileService:
                     f"compiling the constraint exceeded the memory budget of {self.memory_budget >> 20} MB "
                     "(VLLM_FST_COMPILE_MEMORY_MB); the compile process was stopped", None) from None
         except BaseException:
-            self._release(None if not w.alive() else w, cost)
+            self._release(None if not w.alive() else w, cost, quick)
             raise
         # a child that kept memory from this request beyond the budget is replaced
         if _private_bytes(w.proc.pid) > w.baseline + self.memory_budget:
             w.kill()
-        self._release(w, cost)
+        self._release(w, cost, quick)
         if reply[0] == "ok":
             _, regex, ms, hit = reply
             return CheckResult(regex, ms, hit, (time.monotonic() - t0) * 1e3)
