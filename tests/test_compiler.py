@@ -837,6 +837,29 @@ def test_sccs_are_components_in_reverse_topological_order():
         assert (comp_of[nxt] <= comp_of[src]).all()
 
 
+def test_eager_tables_over_their_byte_bound_are_left_to_first_use(fst_artifacts, monkeypatch):
+    """Special-token tables that would outgrow ``EAGER_TABLE_BYTES`` (Tekken: ~8,000 special tokens per
+    table) are not built at compile, the base rows still are; the rows are the same either way."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+
+    arts = fst_artifacts("smollm2")
+    regex = r"[A-Za-z ,]{5,40}\."
+    full = compile_regex(regex, arts, CompileOptions()).factored
+    monkeypatch.setattr(cp.FactoredCanonical, "EAGER_TABLE_BYTES", 1)
+    capped = compile_regex(regex, arts, CompileOptions()).factored
+    assert full._eager_tables is not None and capped._eager_tables is None and capped._eager_base is not None
+    assert (capped._fspec[1] < 0).all() and (capped._base_of_sig >= 0).all()
+    rng = np.random.default_rng(4)
+    eos = set(np.asarray(arts.eos_ids).tolist())
+    x, r = 0, capped.row(0)
+    for _step in range(40):
+        assert np.array_equal(r, full.row(x)), x
+        ids = [t for t in cp.ids_of_row(r).tolist() if t not in eos]
+        if not ids:
+            break
+        x, r = capped.advance(x, r, int(rng.choice(ids)))
+
+
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_loaded_schema_automaton_builds_its_tables_on_first_use_with_the_same_rows(fst_artifacts, name):
     """A stored JSON-schema automaton (factored, bounded strings: bad tables, more than 128 signatures)

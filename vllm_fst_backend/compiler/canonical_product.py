@@ -1622,17 +1622,24 @@ class FactoredCanonical:
     # for one; larger ones (JSON schemas with bounded strings) build them on first visit
     EAGER_BASE_SIGNATURES = 128
     # automata with at most this many special-token tables (keys) also get every table at compile: ~10 µs
-    # each, where a first visit in a decode paid tens of µs of Python around it
+    # each, where a first visit in a decode paid tens of µs of Python around it; unless the tables grow
+    # past EAGER_TABLE_BYTES (Tekken: ~8,000 special tokens per table), which would be stored with the
+    # automaton and loaded by the engine for every request
     EAGER_TABLE_KEYS = 128
+    EAGER_TABLE_BYTES = 4 << 20
 
     def build_tables(self) -> None:
         """Build now, and keep with the automaton (pickled, restored by :meth:`reset_caches`), the base row
-        of every signature and, with at most :attr:`EAGER_TABLE_KEYS` keys, every special-token table
-        (with the ``tag_bits`` rows they read): a decode then computes each row in one kernel call."""
+        of every signature and, with at most :attr:`EAGER_TABLE_KEYS` keys whose tables (with the
+        ``tag_bits`` rows they read) stay within :attr:`EAGER_TABLE_BYTES`, every special-token table: a
+        decode then computes each row in one kernel call."""
         n_keys = int(self._key_of_s.max(initial=-1)) + 1
         if n_keys <= self.EAGER_TABLE_KEYS:
             for s in np.unique(self._key_of_s, return_index=True)[1].tolist():
                 self._fast_specials(int(s))
+                if self._fspec[0].nbytes + self._tag_bits.nbytes > self.EAGER_TABLE_BYTES:
+                    self.reset_caches()  # too large to store: built on first visit instead
+                    break
         first = np.unique(self.base_index, return_index=True)[1]
         with self._lock:
             todo = [(sig, int(s)) for sig, s in enumerate(first.tolist()) if self._base_of_sig[sig] < 0]
