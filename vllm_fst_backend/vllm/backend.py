@@ -272,9 +272,9 @@ class FstBackend(_BackendBase):
         stop_ids = getattr(sp, "all_stop_token_ids", None)
         routed = routed_backend(so_req.params)
         kind = getattr(request_type, "name", str(request_type))
-        if cached_only and (routed is not None or needs_fallback(kind)):
-            return None
         if routed is not None or needs_fallback(kind):
+            if cached_only:
+                return None
             name = routed if routed is not None else self.fallback.default_name()
             return self.fallback.compile(name, request_type, spec, stop_token_ids=stop_ids)
         try:

@@ -77,10 +77,11 @@ def _patch_manager(manager_cls: Any = None) -> None:
     sets. So where we create ``FstBackend`` we set ``backend_name = "fst"``, and ``grammar_init`` first
     adopts requests the API server routed to the fallback (``backend.adopt_fallback_route``).
 
-    Both versions: ``grammar_init`` sets the grammar of an fst request whose automaton is already on the
-    host (``FstBackend.cached_vllm_grammar``) itself, on the engine's thread, instead of submitting its
-    creation to the grammar thread pool: the load takes about a millisecond, where a pool thread waited
-    for the GIL behind the busy engine loop for tens of ms and the request missed the next schedule."""
+    Both versions: ``grammar_init`` (run by the engine core's input thread, beside the model's steps) sets
+    the grammar of an fst request whose automaton is already on the host (``FstBackend.cached_vllm_grammar``)
+    itself instead of submitting its creation to the grammar thread pool: the load takes about a
+    millisecond, and the request is ready when it reaches the scheduler (a grammar still being made in
+    the pool at the next ``schedule()`` makes the request wait a whole step)."""
     if manager_cls is None:
         from vllm.v1.structured_output import StructuredOutputManager as manager_cls
 
@@ -121,7 +122,7 @@ def _patch_manager(manager_cls: Any = None) -> None:
                     adopt_fallback_route(so)  # vLLM 0.33: one backend per engine; fst owns the fallback
                 if isinstance(self.backend, FstBackend):
                     # already compiled (the API server's check stored it on the host): load it here, ~1 ms,
-                    # ready for this step's schedule; a compile goes to vLLM's grammar thread pool below
+                    # ready for the next schedule; a compile goes to vLLM's grammar thread pool below
                     grammar = self.backend.cached_vllm_grammar(request)
                     if grammar is not None:
                         request.structured_output_request.grammar = grammar
