@@ -356,7 +356,7 @@ def main(argv=None) -> int:
     cmd = "python scripts/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     note = (f"Tokenizer `{args.tokenizer}` (V = {V}). {args.repeats} cold compiles per cell (median), fill over "
             f"{args.walks} random walks of ≤ {args.steps} steps (a new matcher each, one bitmask tensor per backend "
-            "for all walks, as vLLM's one per engine). Host: {os.cpu_count()} CPUs, load average "
+            f"for all walks, as vLLM's one per engine). Host: {os.cpu_count()} CPUs, load average "
             f"{os.getloadavg()[0]:.1f} at the end of the run (other jobs shared the machine). "
             "fst canonical = canonical tokenizations only (the default); fst = any tokenization. "
             "![compile and fill](bench_compile.png)")

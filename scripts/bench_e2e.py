@@ -1519,6 +1519,24 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
     return notes
 
 
+_CACHE_HIT_LINE = re.compile(r"fst: request \S+: \w+ constraint \(.*\) compiled in ([0-9.]+) ms \(cache hit\)")
+
+
+def engine_load_stats(log_path: Path) -> dict | None:
+    """p50 / p90 / max ms (and n) of the fst engine's grammar creations from the disk cache, read from a
+    server log (``FstBackend.compile_request``'s line ending in "(cache hit)"); None without any."""
+    try:
+        ms = [float(m.group(1)) for m in map(_CACHE_HIT_LINE.search, log_path.read_text(errors="replace").splitlines()) if m]
+    except OSError:
+        return None
+    if not ms:
+        return None
+    import numpy as np
+
+    a = np.asarray(ms)
+    return {"n": len(ms), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "max": float(a.max())}
+
+
 def serving_steady_split(rows: list[dict]) -> list[str]:
     """Per row with ``per_request`` records (not the repeated rows): ``"<backend> @ <size>: J / R"``, the
     TTFT p50 (ms) of the JSON-schema (J) and regex (R) requests after the first ``concurrency`` requests."""
@@ -1545,6 +1563,14 @@ def write_serving_report(out_md: Path, data: dict) -> list[str]:
         notes.append(f"{b}: server did not start: `{e}`")
     for b, e in data.get("serving_fail", {}).items():
         notes.append(f"{b}: the serving workload stopped with an error: `{e}`")
+    loads = {b: v for b, v in data.get("engine_loads", {}).items() if v}
+    if loads:
+        notes.append(
+            "Engine side of an fst request whose automaton the API server's compile check stored (from the server log, "
+            "`compiled in X ms (cache hit)`: the grammar made in the engine core from the host's disk cache, every request "
+            "of the run, warm-ups included), ms p50 / p90 / max: "
+            + "; ".join(f"{b} {v['p50']:.1f} / {v['p90']:.1f} / {v['max']:.1f} (n = {v['n']})" for b, v in loads.items()) + "."
+        )
     startup = {b: v for b, v in data.get("startup_s", {}).items() if any(r["backend"] == b for r in rows)}
     if startup:
         notes.append("Server start-up (s): " + ", ".join(f"{k} {v:.0f}" for k, v in startup.items()) + f". Whole run: {meta['total_s'] / 60:.1f} min.")
@@ -1732,6 +1758,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     startup: dict[str, float] = {}
     server_fail: dict[str, str] = {}
+    engine_loads: dict[str, dict | None] = {}
     artifacts = args.fst_artifacts.resolve()
     if any(b.startswith("fst") for b in args.backends) and not args.server_url:
         print(f"[bench_e2e] fst artifacts {artifacts}: {ensure_fst_artifacts(artifacts, progress)}", flush=True)
@@ -1756,6 +1783,8 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print(f"[bench_e2e] {backend}/{wl}: " + json.dumps({k: v for k, v in row.items() if k not in ('tv_list', 'examples')}, default=str), flush=True)
                 serving(backend, base)
+            if backend.startswith("fst") and do_serving:
+                engine_loads[backend] = engine_load_stats(log_path)
         except Exception as e:  # noqa: BLE001 - a backend that cannot start is reported, the others go on
             server_fail[backend] = str(e).splitlines()[0][:200]
             print(f"[bench_e2e] {backend} failed: {e}", file=sys.stderr, flush=True)
@@ -1765,7 +1794,8 @@ def main(argv=None) -> int:
     meta = {"command": command, "total_s": total_s, "questions": len(questions), "samples": args.samples, "batch": args.batch,
             "host": host_note(), "workloads": list(args.workloads),
             "serving": {"sizes": sizes, "max_tokens": scfg.max_tokens, "temperature": scfg.temperature, "json_via": scfg.json_via}}  # fmt: skip
-    data = {"meta": meta, "rows": rows, "fidelity": fid, "startup_s": startup, "server_fail": server_fail, "serving_fail": serving_fail}
+    data = {"meta": meta, "rows": rows, "fidelity": fid, "startup_s": startup, "server_fail": server_fail, "serving_fail": serving_fail,
+            "engine_loads": engine_loads}
     if args.json_out:
         args.json_out.write_text(json.dumps(data, indent=1, default=str))
     srows = [r for r in rows if r.get("workload") == "serving"]
