@@ -276,6 +276,8 @@ def test_accept_tokens_fast_path_equals_generic(fst_artifacts, name):
                 more = [t for t in c.allowed_tokens(nxt).tolist() if t != eos]
                 if more:
                     chunk.append(rnd.choice(more) if rnd.random() < 0.7 else rnd.randrange(c.vocab_size))
+            elif rnd.random() < 0.2:  # one token of any id: the one-step path, valid or not
+                chunk = [rnd.randrange(c.vocab_size)]
             if rnd.random() < 0.2:
                 chunk.append(eos)
             before = (m.state, m.num_processed_tokens)
