@@ -1358,7 +1358,7 @@ def _row_label(r: dict) -> str:
 def render_serving_table(rows: list[dict]) -> str:
     head = (
         "| backend | requests × concurrency | ok / failed | TTFT p50 / p90 ms | latency p50 / p90 ms | completion tokens/s "
-        "| mean completion tokens | hit max_tokens | worst /health ms | constraint satisfied | canonical outputs |"
+        "| batch wall s | mean completion tokens | hit max_tokens | worst /health ms | constraint satisfied | canonical outputs |"
     )
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
@@ -1369,6 +1369,7 @@ def render_serving_table(rows: list[dict]) -> str:
             f"{_fmt(r.get('ttft_p50_ms'), 'd')} / {_fmt(r.get('ttft_p90_ms'), 'd')}",
             f"{_fmt(r.get('lat_p50_ms'), 'd')} / {_fmt(r.get('lat_p90_ms'), 'd')}",
             _fmt(r.get("tok_s"), "f", 1),
+            _fmt(r.get("wall_s"), "f", 2),
             _fmt(r.get("mean_tokens"), "f", 1),
             f"{r.get('capped', 0)}" if r["ok"] else "–",
             _fmt(r.get("health_max_ms"), "f", 1),
@@ -1489,7 +1490,9 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
         f"warm-up requests per server first.",
         "TTFT: request sent → first streamed chunk with content (includes compilation and queueing behind the other "
         "requests in flight); latency: sent → end of stream; tokens/s: completion tokens (`usage`, "
-        "`stream_options.include_usage`) of all requests / wall time of the whole batch; worst /health: slowest "
+        "`stream_options.include_usage`) of all requests / wall time of the whole batch (column \"batch wall s\": the "
+        "backends' outputs differ in text and in length, a non-canonical path often spells a text in more tokens, so "
+        "tokens/s and the batch's wall time can rank backends differently); worst /health: slowest "
         "`GET /health` answer while the batch ran (polled every 20 ms over its own connection by the same client "
         "process); constraint satisfied: `re.fullmatch`, or `json.loads` + `Draft202012Validator` with `FormatChecker` "
         "(outputs cut by max_tokens count as unsatisfied: column \"hit max_tokens\"); canonical: the streamed "

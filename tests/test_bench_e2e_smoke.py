@@ -286,7 +286,8 @@ def test_serving_report_and_section(tmp_path):
     out_md.write_text("# Benchmarks\n\n## Some other section\n\nkept\n\n## Serving workload\n\nold numbers\n\n## Later section\n\nalso kept\n")
     meta = {"command": "python scripts/bench_e2e.py --workloads serving", "host": "x86_64, 2 CPUs", "workloads": ["serving"],
             "serving": {"sizes": [[4, 2], [64, 32]], "max_tokens": 96, "temperature": 0.7, "json_via": "response_format"}}  # fmt: skip
-    data = {"meta": meta, "rows": rows + big, "fidelity": {}, "startup_s": {}, "server_fail": {"outlines": "exited with 1"}}
+    data = {"meta": meta, "rows": rows + big, "fidelity": {}, "startup_s": {}, "server_fail": {"outlines": "exited with 1"},
+            "engine_loads": {"fst": {"n": 3, "p50": 1.25, "p90": 2.0, "max": 3.0}, "fst-jump": None}}
     for _ in range(2):  # a re-run replaces the section in place
         got = b.write_report(out_md, data)
         md = out_md.read_text()
@@ -300,8 +301,24 @@ def test_serving_report_and_section(tmp_path):
     assert "Host: x86_64, 2 CPUs" in section and "Targets:" in section and "NOT met" in section
     assert "xgrammar @ 4 × 2: 1 failed requests, first error: `HTTP 400: bad regex`" in section
     assert "outlines: server did not start" in section
+    assert "ms p50 / p90 / max: fst 1.2 / 2.0 / 3.0 (n = 3)." in section and "batch wall s" in section
     assert "![serving workload](bench_serving.png)" in section
     assert (tmp_path / "bench_serving.png").stat().st_size > 1000
+
+
+def test_engine_load_stats_from_a_server_log(tmp_path):
+    b = _bench()
+    log = tmp_path / "server_fst.log"
+    log.write_text(
+        "(EngineCore pid=1) INFO [backend.py:219] fst: request r1: json constraint (401 regex chars, 591 states, "
+        "canonical=True) compiled in 2.5 ms (cache hit)\n"
+        "(EngineCore pid=1) INFO [backend.py:219] fst: request r2: regex constraint (8 regex chars, 3 states, "
+        "canonical=True) compiled in 40.0 ms\n"  # a compile, not a load: not counted
+        "(EngineCore pid=1) INFO [backend.py:219] fst: request r3: regex constraint (8 regex chars, 3 states, "
+        "canonical=True) compiled in 0.5 ms (cache hit)\n")
+    got = b.engine_load_stats(log)
+    assert got["n"] == 2 and got["max"] == 2.5 and got["p50"] == 1.5
+    assert b.engine_load_stats(tmp_path / "missing.log") is None
 
 
 def test_serving_repeated_rows_are_shown_but_not_targeted(tmp_path):
