@@ -83,7 +83,7 @@ def test_round_trip_same_automaton(smol, canonical):
             assert np.array_equal(an._tag_table(), an2._tag_table())
             for st in range(0, an.M.num_states, max(1, an.M.num_states // 16)):  # rows from the rebuilt tables
                 assert np.array_equal(an.regular_row_packed(st), an2.regular_row_packed(st)), (rx, st)
-            assert len(data) < 8 << 20, len(data)  # memo tables, row memo and special-token tables are not stored
+            assert len(data) < 8 << 20, len(data)  # no memo tables or row memo; special-token tables only small ones
         for seed in range(3):
             assert _walk_signature(c, np.random.default_rng(seed)) == _walk_signature(c2, np.random.default_rng(seed)), rx
     if canonical:
@@ -108,6 +108,20 @@ def test_disk_cache_keys_and_budget(smol, tmp_path):
     assert len(list((tmp_path / "c").glob("*.pkl"))) < len(REGEXES)
     assert cache.load(cache.key(REGEXES[-1], CompileOptions(), art), art) is not None  # newest kept
     assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+    # max_bytes: a larger file is not loaded; a load touches (LRU) only a file older than TOUCH_AFTER_S
+    key = cache.key(REGEXES[-1], CompileOptions(), art)
+    path = tmp_path / "c" / f"{key}.pkl"
+    size = path.stat().st_size
+    assert cache.load(key, art, max_bytes=size - 1) is None and cache.load(key, art, max_bytes=size) is not None
+    import os
+    import time as _time
+
+    old = _time.time() - 2 * cache.TOUCH_AFTER_S
+    os.utime(path, (old, old))
+    assert cache.load(key, art) is not None and path.stat().st_mtime > _time.time() - 30  # touched
+    recent = _time.time() - 5
+    os.utime(path, (recent, recent))
+    assert cache.load(key, art) is not None and abs(path.stat().st_mtime - recent) < 1e-3  # left alone
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ Files are written atomically (temporary file + rename). The directory is created
 only files in a directory owned by the current user are loaded (pickle trusts its input).
 
 Bounded in bytes: ``max_bytes`` (``$VLLM_FST_DISK_CACHE_BYTES``, default 1 GiB); a write that makes the
-directory larger deletes the least recently used files (by modification time; a load touches its file).
+directory larger deletes the least recently used files (by modification time; a load touches its file when it is older than
+``DiskCache.TOUCH_AFTER_S``).
 """
 
 from __future__ import annotations
@@ -111,6 +112,19 @@ def loads(data: bytes, artifacts: Any) -> Any:
     return _Unpickler(io.BytesIO(data), artifacts).load()
 
 
+def _read_fd(fd: int, size: int) -> bytes:
+    """The ``size`` bytes of the file behind ``fd`` (one read on a local file; files are written once and
+    renamed into place, so the size does not change under an open descriptor)."""
+    parts, got = [], 0
+    while got < size:
+        chunk = os.read(fd, size - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
 class DiskCache:
     """Host-shared store of compiled automata (module docstring).
 
@@ -146,28 +160,39 @@ class DiskCache:
             return False
         return st.st_uid == os.getuid() and not (st.st_mode & 0o022)
 
-    def load(self, key: str, artifacts: Any) -> Any:
-        """The stored automaton of ``key`` or None."""
-        p = self._path(key)
+    # a load touches its file (LRU by modification time) only when it is older than this: the engine loads
+    # an automaton right after the API server's compile check wrote it, and every syscall on that path
+    # lets a busy thread take the GIL
+    TOUCH_AFTER_S = 60.0
+
+    def load(self, key: str, artifacts: Any, max_bytes: int | None = None) -> Any:
+        """The stored automaton of ``key`` or None (also when its file is over ``max_bytes`` bytes)."""
         if not self._dir_ok():
             return None
         try:
-            data = p.read_bytes()
+            fd = os.open(self._path(key), os.O_RDONLY)
         except FileNotFoundError:
             return None
         except OSError:
             self.errors += 1
             return None
         try:
-            out = loads(data, artifacts)
+            st = os.fstat(fd)
+            if max_bytes is not None and st.st_size > max_bytes:
+                return None
+            data = _read_fd(fd, st.st_size)
+            if time.time() - st.st_mtime > self.TOUCH_AFTER_S and os.utime in os.supports_fd:
+                os.utime(fd)
+        except OSError:
+            self.errors += 1
+            return None
+        finally:
+            os.close(fd)
+        try:
+            return loads(data, artifacts)
         except Exception:
             self.errors += 1
             return None
-        try:
-            os.utime(p)
-        except OSError:
-            pass
-        return out
 
     def store(self, key: str, compiled: Any) -> int:
         """Write ``compiled`` under ``key`` (atomically); returns the bytes written (0 on failure or

@@ -230,6 +230,9 @@ matcher_factory: Callable[[Any], Any] = _default_matcher
 prepare_function: Callable[[Any], None] = _default_prepare
 
 
+INLINE_LOAD_BYTES = 16 << 20  # stored automata up to this size are loaded on the caller's thread (cached_only)
+
+
 @dataclasses.dataclass
 class CompileResult:
     compiled: Any
@@ -296,16 +299,16 @@ class TokenizerContext:
             return None
         return self.disk.key(regex, options.compile_options(), self.artifacts)
 
-    def peek(self, regex: str, options: FstRequestOptions) -> Any:
+    def peek(self, regex: str, options: FstRequestOptions, max_load_bytes: int | None = None) -> Any:
         """The compiled automaton if this process has it or another process of the host stored it
         (``compiler.persist.DiskCache``: the API server's compile process, the engine core), else None;
-        never compiles."""
+        never compiles. ``max_load_bytes``: a stored file larger than that is not loaded (None)."""
         key = self._key(regex, options)
         got = self.cache.get(key)
         if got is None:
             dkey = self._disk_key(regex, options)
             if dkey is not None:
-                got = self.disk.load(dkey, self.artifacts)
+                got = self.disk.load(dkey, self.artifacts, max_bytes=max_load_bytes)
                 if got is not None:
                     self.cache.put(key, got)
                     metric_inc("disk_cache_loads")
@@ -316,9 +319,10 @@ class TokenizerContext:
         """Compile (or take from this process's cache or the host's disk cache) ``regex`` under
         ``options`` within ``budget_s`` seconds (default: :func:`compile_budget_s` ``("validate")``); a
         fresh automaton is stored on disk for the host's other processes. ``cached_only``: None instead
-        of compiling when neither cache has it. Raises the compiler's errors (not cached)."""
+        of compiling when neither cache has it, or when its file is over :data:`INLINE_LOAD_BYTES` (the
+        caller then takes a thread that may block longer). Raises the compiler's errors (not cached)."""
         t0 = time.monotonic()
-        hit = self.peek(regex, options)
+        hit = self.peek(regex, options, INLINE_LOAD_BYTES if cached_only else None)
         if hit is not None:
             return CompileResult(hit, (time.monotonic() - t0) * 1e3, True)
         if cached_only:
