@@ -1534,10 +1534,7 @@ def engine_load_stats(log_path: Path) -> dict | None:
         return None
     if not ms:
         return None
-    import numpy as np
-
-    a = np.asarray(ms)
-    return {"n": len(ms), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "max": float(a.max())}
+    return {"n": len(ms), "p50": _pct(ms, 50), "p90": _pct(ms, 90), "max": max(ms)}
 
 
 def serving_steady_split(rows: list[dict]) -> list[str]:

@@ -1381,9 +1381,8 @@ class FactoredCanonical:
         self._grp = (np.full(max(self.an.G, 1), -1, dtype=np.int64), self._grp_buf)  # (slot per group, rows)
         n_sig = (int(self.base_index.max()) + 1) if len(self.base_index) else 1
         self._base_of_sig = np.full(n_sig, -1, dtype=np.int64)  # row of _base_buf per signature
-        eager = getattr(self, "_eager_base", None)
-        if eager is not None:  # the rows built at compile (build_tables; stored with the automaton)
-            self._base_buf, self._base_of_sig = eager[0], eager[1].copy()
+        if self._eager_base is not None:  # the rows built at compile (build_tables; stored with the automaton)
+            self._base_buf, self._base_of_sig = self._eager_base[0], self._eager_base[1].copy()
         n_keys = (int(self._key_of_s.max()) + 1) if len(self._key_of_s) else 1
         self._tag_row_arr = np.full(int(self.an.tag.max(initial=0)) + 1, -1, dtype=np.int64)
         self._tag_row_arr[0] = 0
@@ -1393,9 +1392,9 @@ class FactoredCanonical:
         self._fspec = (np.zeros((0, 7), np.int64), np.full(n_keys, -1, np.int64), np.full(n_keys, -1, np.int64),
                        np.zeros((1, 2), np.int64), self._tag_bits, self._base_buf.view(np.uint32),
                        np.full(n_keys, -1, np.int64))
-        tables = getattr(self, "_eager_tables", None)
-        if tables is not None:  # every special-token table, built at compile (build_tables): copies, as
-            spec, lo, hi, icache, tag_bits, slot, tag_row_arr, has_inner = tables  # decodes append/write
+        if self._eager_tables is not None:  # every special-token table, built at compile (build_tables):
+            # copies, as decodes append and write
+            spec, lo, hi, icache, tag_bits, slot, tag_row_arr, has_inner = self._eager_tables
             self._spec_buf, self._tag_bits, self._tag_row_arr = spec.copy(), tag_bits.copy(), tag_row_arr.copy()
             self._tag_buf, self._has_inner = self._tag_bits, has_inner
             self._fspec = (self._spec_buf, lo.copy(), hi.copy(), icache.copy(), self._tag_bits,

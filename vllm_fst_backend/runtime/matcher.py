@@ -97,18 +97,8 @@ class FstMatcher:
         (``FactoredCanonical.advance``; memoized per automaton)."""
         if self._terminated:
             return True
-        fc = self._fc
-        if fc is not None:
-            if len(tokens) == 1 and tokens[0] not in self._eos:  # one decoding step (vLLM's usual call)
-                state = self._state
-                nxt, row = fc.advance(state, self._row, int(tokens[0]))
-                if nxt < 0:
-                    return False
-                self._history.append(state)
-                self.num_processed_tokens += 1
-                self._state, self._row, self._row_t = nxt, row, None
-                return True
-            return self._accept_factored(fc, tokens)
+        if self._fc is not None:
+            return self._accept_factored(self._fc, tokens)
         state = self._state
         new_states = []
         terminated = False
