@@ -208,10 +208,11 @@ class _FakeWorker:
         pass
 
 
-def _pool(workers):
+def _pool(workers, parallel=None, stall_s=60.0):
     from vllm_fst_backend.compiler.service import CompileService
 
-    svc = CompileService("unused", None, workers=workers, light_cost=100)
+    svc = CompileService("unused", None, workers=workers, light_cost=100,
+                         parallel=workers if parallel is None else parallel, stall_s=stall_s)
     svc._spawn = _FakeWorker  # scheduling only: no child processes
     return svc
 
@@ -298,3 +299,35 @@ def test_service_serves_waiting_requests_shortest_first():
         _wait_for(lambda n=n: len(got) == n)
         svc._release(got[-1][1], got[-1][0])
     assert [c for c, _ in got] == [20, 70, 90]
+
+
+def test_service_runs_one_compile_at_a_time_until_it_stalls():
+    """With ``parallel=1`` a second schema waits for the first though a process is free (compiles side by
+    side only share the free CPU), and starts beside it once the first has run ``stall_s``; quick ones
+    never wait for that. The default takes half the CPUs this process may use."""
+    import os
+    import time as _t
+
+    from vllm_fst_backend.compiler.service import default_parallel
+
+    assert default_parallel() == max(1, len(os.sched_getaffinity(0)) // 2)
+    svc = _pool(workers=3, parallel=1, stall_s=0.3)
+    assert svc.parallel == 1
+    first = svc._acquire(50)
+    t0 = _t.monotonic()
+    got: list = []
+    _acquire_in_thread(svc, 60, got)
+    _wait_for(lambda: len(svc._waiting) == 1)
+    q = svc._acquire(10, quick=True)  # the quick lane is not held back
+    svc._release(q, 10, quick=True)
+    assert got == []
+    _wait_for(lambda: len(got) == 1)  # the first one stalled: the second starts beside it
+    assert _t.monotonic() - t0 >= 0.29 and svc._n_slow == 2
+    _acquire_in_thread(svc, 70, got)  # the second one is young: a third waits ...
+    _wait_for(lambda: len(svc._waiting) == 1)
+    assert len(got) == 1
+    svc._release(got[0][1], 60)  # ... until it finishes (the stalled first one does not count)
+    _wait_for(lambda: len(got) == 2)
+    svc._release(got[1][1], 70)
+    svc._release(first, 50)
+    assert svc._n_slow == 0 and svc._running == {}

@@ -25,7 +25,13 @@ requests one at a time each:
   processes at once, so a short constraint never waits behind long compiles only; and one process more
   than ``workers`` (``quick_workers``) serves only *quick* constraints (a regex or choice list with a
   cost of at most :data:`QUICK_COST`, compiled in a few ms): under load a JSON schema compiles for
-  hundreds of ms, and a date regex behind it waited that long for a process.
+  hundreds of ms, and a date regex behind it waited that long for a process;
+* at most ``parallel`` constraints that are not quick *run* at once (default: half the CPUs this
+  process may use, at least 1), except that a compile running longer than ``stall_s`` no longer counts,
+  so one long compile never holds the others back. On a host whose CPUs also run the model, compiles
+  running side by side only share the same free CPU: each takes as long as all of them together,
+  where one after the other (shortest first) most finish sooner. A burst of 8 new schemas at 2 CPUs
+  showed it (docs/benchmarks.md, serving).
 
 Wire format (both directions): 8-byte little-endian length + pickle. Request: dict with ``kind``,
 ``spec``, ``whitespace_pattern``, ``options`` (:class:`~.options.CompileOptions`), ``budget_s``.
@@ -51,7 +57,8 @@ from typing import Any
 from .. import errors as _errors
 from ..errors import CompileBudgetError, CompileMemoryError, CompileServiceError
 
-__all__ = ["CompileService", "memory_budget_from_env", "CheckResult", "cost_hint", "LIGHT_COST", "QUICK_COST"]
+__all__ = ["CompileService", "memory_budget_from_env", "CheckResult", "cost_hint", "default_parallel", "LIGHT_COST",
+           "QUICK_COST", "STALL_S"]
 
 _LEN = struct.Struct("<Q")
 _POLL_S = 0.02
@@ -62,6 +69,17 @@ _QUANT = re.compile(r"\{(\d{1,9})(?:,(\d{0,9}))?\}")
 _JSON_BOUND = re.compile(r'"(?:maxLength|maxItems|maxProperties|maxContains)"\s*:\s*(\d{1,9})')
 LIGHT_COST = 800  # cost_hint at or below which a constraint is "light" (compiles in ~<100 ms at SmolLM2)
 QUICK_COST = 450  # a regex or choice list at or below: "quick" (compiles in ~2-4 ms at SmolLM2, isolated)
+STALL_S = 0.25  # a compile running longer no longer holds back the next one (CompileService, parallel)
+
+
+def default_parallel() -> int:
+    """Compiles (not quick) to run at once by default: half the CPUs this process may use, at least 1
+    (the other half runs the model, the engine core and the API server)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 2
+    return max(1, n // 2)
 
 
 def cost_hint(kind: str, spec: Any) -> int:
@@ -238,12 +256,14 @@ class CompileService:
             ``workers - 1`` processes at once (module docstring, scheduling).
         quick_workers: processes beyond ``workers`` that only quick constraints may take (regex or
             choice, cost at most ``quick_cost``); quick ones may take any free process.
+        parallel: constraints that are not quick compiling at once, not counting those running longer
+            than ``stall_s`` seconds (module docstring, scheduling); default :func:`default_parallel`.
     """
 
     def __init__(self, artifacts_dir: str | os.PathLike, tokenizer_path: str | None = None, *, workers: int = 3,
                  memory_budget_bytes: int | None = None, deadline_margin_s: float = 2.0,
                  start_timeout_s: float = 120.0, light_cost: int = LIGHT_COST, quick_workers: int = 1,
-                 quick_cost: int = QUICK_COST):
+                 quick_cost: int = QUICK_COST, parallel: int | None = None, stall_s: float = STALL_S):
         self.artifacts_dir = str(artifacts_dir)
         self.tokenizer_path = tokenizer_path
         self.n_general = max(1, int(workers))  # processes the constraints that are not quick may hold
@@ -254,6 +274,9 @@ class CompileService:
         self.start_timeout_s = start_timeout_s
         self.light_cost = int(light_cost)
         self.heavy_cap = max(1, self.n_general - 1)  # processes heavy constraints may hold at once
+        self.parallel = max(1, min(self.n_general, int(parallel if parallel is not None else default_parallel())))
+        self.stall_s = float(stall_s)
+        self._running: dict[int, float] = {}  # ticket -> start (monotonic s) of each compile not quick
         self._idle: deque[_Worker] = deque()
         self._n_live = 0
         self._n_heavy = 0
@@ -286,18 +309,29 @@ class CompileService:
         """Whether a constraint of ``kind`` and :func:`cost_hint` ``cost`` is quick (module docstring)."""
         return kind in ("REGEX", "CHOICE") and cost <= self.quick_cost
 
-    def _eligible(self, cost: int, quick: bool) -> bool:
+    def _young(self, now: float) -> list[float]:
+        """Start times of the compiles (not quick) running for less than ``stall_s``."""
+        return [t for t in self._running.values() if now - t < self.stall_s]
+
+    def _eligible(self, cost: int, quick: bool, now: float) -> bool:
         if quick:
             return True
-        return self._n_slow < self.n_general and (not self._heavy(cost) or self._n_heavy < self.heavy_cap)
+        return (self._n_slow < self.n_general and (not self._heavy(cost) or self._n_heavy < self.heavy_cap)
+                and len(self._young(now)) < self.parallel)
+
+    def _age_wait(self, now: float) -> float | None:
+        """Seconds until the next running compile stops counting against ``parallel`` (None: none will)."""
+        young = self._young(now)
+        return max(min(young) + self.stall_s - now, 1e-3) if young else None
 
     def _my_turn(self, entry: tuple[int, int, bool]) -> bool:
         """Whether ``entry`` is the first waiting request (in (cost, arrival) order) that may take a
         process now. Caller holds the lock."""
         if not (self._idle or self._n_live < self.n_workers):
             return False
+        now = time.monotonic()
         for e in sorted(self._waiting):
-            if self._eligible(e[0], e[2]):
+            if self._eligible(e[0], e[2], now):
                 return e == entry
         return False
 
@@ -310,7 +344,7 @@ class CompileService:
             self._waiting.append(entry)
             try:
                 while not self._my_turn(entry):
-                    self._cond.wait()
+                    self._cond.wait(self._age_wait(time.monotonic()))
                     if self._closed:
                         raise CompileServiceError("compile service is closed")
             finally:
@@ -318,23 +352,31 @@ class CompileService:
                 self._cond.notify_all()
             self._n_heavy += heavy
             self._n_slow += not quick
+            if not quick:
+                self._running[entry[1]] = time.monotonic()
             if self._idle:
-                return self._idle.popleft()
+                w = self._idle.popleft()
+                w.ticket = entry[1]
+                return w
             self._n_live += 1
         try:
-            return self._spawn()
+            w = self._spawn()
         except Exception as e:
             with self._cond:
                 self._n_live -= 1
                 self._n_heavy -= heavy
                 self._n_slow -= not quick
+                self._running.pop(entry[1], None)
                 self._cond.notify_all()
             raise CompileServiceError(f"cannot start the compile process: {e}") from None
+        w.ticket = entry[1]
+        return w
 
-    def _release(self, w: _Worker | None, cost: int = 0, quick: bool = False) -> None:
+    def _release(self, w: _Worker | None, cost: int = 0, quick: bool = False, ticket: int | None = None) -> None:
         with self._cond:
             self._n_heavy -= self._heavy(cost) and not quick
             self._n_slow -= not quick
+            self._running.pop(ticket if ticket is not None else getattr(w, "ticket", None), None)
             if w is not None and w.alive() and not self._closed:
                 self._idle.append(w)
             else:
@@ -368,6 +410,7 @@ class CompileService:
         cost = cost_hint(kind, spec)
         quick = self.quick(kind, cost)
         w = self._acquire(cost, quick)
+        ticket = w.ticket
         req = dict(kind=kind, spec=spec, whitespace_pattern=whitespace_pattern,
                    options=options if options is not None else CompileOptions(), budget_s=float(budget_s))
         try:
@@ -388,12 +431,12 @@ class CompileService:
                     f"compiling the constraint exceeded the memory budget of {self.memory_budget >> 20} MB "
                     "(VLLM_FST_COMPILE_MEMORY_MB); the compile process was stopped", None) from None
         except BaseException:
-            self._release(None if not w.alive() else w, cost, quick)
+            self._release(None if not w.alive() else w, cost, quick, ticket)
             raise
         # a child that kept memory from this request beyond the budget is replaced
         if _private_bytes(w.proc.pid) > w.baseline + self.memory_budget:
             w.kill()
-        self._release(w, cost, quick)
+        self._release(w, cost, quick, ticket)
         if reply[0] == "ok":
             _, regex, ms, hit = reply
             return CheckResult(regex, ms, hit, (time.monotonic() - t0) * 1e3)
