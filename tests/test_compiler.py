@@ -577,9 +577,9 @@ def test_token_dfa_numba_budgets_and_empty(built_artifacts):
 # --- canonical dead-end analysis: numba / vectorized path == reference path (identical tables) --------------
 
 
-def _analysis_pair(arts, regex: str, monkeypatch):
-    """Compile ``regex`` (canonical) and rerun its dead-end analysis twice on the same token DFA: the fast
-    path (numba kernels, vectorized byte-fallback moves) and the reference path (``use_kernels=False``)."""
+def _token_dfa_of(arts, regex: str, monkeypatch):
+    """Compile ``regex`` (canonical); returns its token DFA, the canonical helper and the number of
+    character states (what the dead-end analysis takes)."""
     import vllm_fst_backend.compiler.canonical_product as cp
     from vllm_fst_backend.compiler import CompileBudgets
 
@@ -590,9 +590,18 @@ def _analysis_pair(arts, regex: str, monkeypatch):
         got["args"] = (M, cp.canonical_helper(artifacts, trie), n_char_states)
         return real(M, artifacts, trie, eos_ids, V, deadline=deadline, n_char_states=n_char_states, **kw)
 
-    monkeypatch.setattr(cp, "canonical_automaton", spy)
-    compile_regex(regex, arts, CompileOptions(), budgets=CompileBudgets(time_budget_s=120))
-    M, H, n = got["args"]
+    with monkeypatch.context() as mp:
+        mp.setattr(cp, "canonical_automaton", spy)
+        compile_regex(regex, arts, CompileOptions(), budgets=CompileBudgets(time_budget_s=120))
+    return got["args"]
+
+
+def _analysis_pair(arts, regex: str, monkeypatch):
+    """Compile ``regex`` (canonical) and rerun its dead-end analysis twice on the same token DFA: the fast
+    path (numba kernels, vectorized byte-fallback moves) and the reference path (``use_kernels=False``)."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+
+    M, H, n = _token_dfa_of(arts, regex, monkeypatch)
     out = []
     for use in (True, False):
         an = cp._Analysis(M, H, time.perf_counter() + 300, n)
@@ -601,6 +610,94 @@ def _analysis_pair(arts, regex: str, monkeypatch):
         an.n_char_states = n
         out.append(an)
     return cp, out[0], out[1]
+
+
+def _schema_regex(props: dict, required: list) -> str:
+    from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
+
+    return json_schema_to_regex({"type": "object", "properties": props, "required": required,
+                                 "additionalProperties": False})
+
+
+@pytest.mark.parametrize("name", ["smollm2", "tekken"])
+def test_deadend_verdicts_shared_between_compiles_are_exact(fst_artifacts, monkeypatch, name):
+    """Dead-end verdicts are shared between compiles by content (``compiler/verdict_cache.py``): a
+    schema analysed after two others (warm cache: most verdicts looked up, made by other token DFAs
+    with other groups and tags) gets exactly the bad tables of the same analysis on an empty cache,
+    state by state, and the automaton built on the warm cache has the same rows on random walks."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+    from vllm_fst_backend.compiler.verdict_cache import VerdictCache
+
+    arts = fst_artifacts(name)
+    if name == "tekken":
+        warm = [r'\{"a": "[a-z ]{0,8}", "n": [0-9]{1,3}\}', r'\{"b": "[a-z ]{0,6}"\}']
+        target = r'\{"c": "[a-z ]{0,7}"(, "d": [0-9]{1,2})?\}'
+    else:
+        s32 = {"type": "string", "maxLength": 32}
+        warm = [_schema_regex({"title": s32, "n": {"type": "integer"}}, ["title", "n"]),
+                _schema_regex({"topic": {"type": "string", "maxLength": 24}, "ok": {"type": "boolean"}}, ["topic"])]
+        target = _schema_regex({"name": {"type": "string", "maxLength": 20}, "price": {"type": "number"},
+                                "tags": {"type": "array", "items": s32, "maxItems": 2}}, ["name", "price"])
+    M, H, n = _token_dfa_of(arts, target, monkeypatch)
+    vc = VerdictCache(H.V, H.C)  # warmed by the other schemas only
+    monkeypatch.setattr(H, "_fst_verdicts", vc, raising=False)
+    for rx in warm:
+        compile_regex(rx, arts, CompileOptions())
+    m0 = vc.misses
+    warm_an = cp._Analysis(M, H, time.perf_counter() + 300, n)
+    warm_an.run(n)
+    warm_computed = vc.misses - m0
+    monkeypatch.setattr(H, "_fst_verdicts", VerdictCache(H.V, H.C), raising=False)
+    cold = cp._Analysis(M, H, time.perf_counter() + 300, n)
+    cold.run(n)
+    cold_computed = H._fst_verdicts.misses
+    # (the warm run looked up verdicts another schema's compile made)
+    assert cold_computed > 10 and warm_computed < 0.8 * cold_computed, (warm_computed, cold_computed)
+    for s in range(M.num_states):
+        a, b = warm_an.bad[s], cold.bad[s]
+        assert (a is None) == (b is None), (name, s)
+        if a is not None:
+            assert np.array_equal(a, b), (name, s)
+    compiled = compile_regex(target, arts, CompileOptions())  # fresh cache: computed, not looked up
+    monkeypatch.undo()
+    again = compile_regex(target, arts, CompileOptions())
+    rng = random.Random(7)
+    for _ in range(5):
+        ma, mb = FstMatcher(compiled), FstMatcher(again)
+        for _ in range(40):
+            ra, rb = ma.compiled.allowed_row(ma.state), mb.compiled.allowed_row(mb.state)
+            assert np.array_equal(ra, rb)
+            ids = np.flatnonzero(np.unpackbits(ra.view(np.uint8), bitorder="little"))
+            if not len(ids):
+                break
+            t = int(ids[rng.randrange(len(ids))])
+            if t in ma.eos_ids:
+                break
+            assert ma.accept_tokens("a", [t]) and mb.accept_tokens("b", [t])
+
+
+def test_verdict_cache_is_bounded():
+    """Over its byte or entry budget the verdict cache starts empty again; tables it returns are shared,
+    read-only, and equal ones are stored once."""
+    from vllm_fst_backend.compiler.verdict_cache import VerdictCache
+
+    vc = VerdictCache(10, 4, max_bytes=3 * 8, max_entries=5)
+    t = np.zeros((2, 4), dtype=bool)
+    t[1, 2] = True
+    got = vc.put(("k", 1), t)
+    assert not got.flags.writeable and np.array_equal(got, t) and got is not t
+    assert vc.put(("k", 2), t.copy()) is got and vc.nbytes() == 8
+    assert vc.get(("k", 1)) == (True, got) and vc.get(("k", 9)) == (False, None)
+    vc.put(("none", 1), None)
+    assert vc.get(("none", 1)) == (True, None)
+    for i in range(3):  # distinct tables: the third exceeds 24 bytes -> a fresh cache
+        u = np.zeros((2, 4), dtype=bool)
+        u[0, i] = True
+        vc.put(("u", i), u)
+    assert vc.nbytes() == 8 and len(vc) == 1 and vc.get(("k", 1)) == (False, None)
+    for i in range(6):
+        vc.put(("n", i), None)
+    assert len(vc) <= 5
 
 
 @pytest.mark.parametrize("name, regex, max_pairs", [

@@ -482,6 +482,9 @@ class _Analysis:
         self._cache: dict = {}
         self._inner_memo: dict = {}
         self._bstatic: dict = {}
+        self._xk = None  # (verdict cache, group hashes, per-state entering-class sums, tag multipliers)
+        self._tag_of_obj: dict = {}  # id(read-only shared table) -> tag (_set)
+        self._pinned: list = []  # (those tables, kept alive)
         # entering classes (see entering_classes); not with a byte-fallback acceptor (inner goodness
         # reads other classes)
         self._ent_ptr = self._ent_cls = self._ent_wide = None
@@ -567,6 +570,8 @@ class _Analysis:
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
         # (V- and G-sized, rebuilt on load; the witness table only when a loaded analysis analyses again)
         state["best"] = None
+        state["_xk"] = None  # (the process's verdict cache; rebuilt when a loaded analysis analyses again)
+        state["_tag_of_obj"], state["_pinned"] = {}, []
         for name in ("bad", "_tag_full", "g_toks", "g_ptr", "g_size", "bf_start", "special", "regular",
                      "tclass_safe", "_no_grp"):
             state.pop(name, None)  # (bad, _tag_full and the group arrays: rebuilt on first use)
@@ -1144,19 +1149,61 @@ class _Analysis:
             return None
         return self._ent_cls[int(self._ent_ptr[s]) : int(self._ent_ptr[s + 1])]
 
+    def _xkey_init(self) -> tuple:
+        """:attr:`_xk` for :meth:`_content_key`: the process's :class:`.verdict_cache.VerdictCache`, the
+        group hashes (``uint64[2, G]``), the entering-class sums per state (``uint64[2, S]``; wide states:
+        ``wide``) and the multiplier of every tag so far (``uint64[2, n]``, tag 0: 1)."""
+        from .verdict_cache import verdict_cache
+
+        vc = verdict_cache(self.H)
+        gh = vc.group_hashes(self.g_toks, self.g_ptr)
+        S = self.M.num_states
+        ent_sum = np.zeros((2, S), dtype=np.uint64)
+        wide = np.ones(S, dtype=bool)
+        if self._ent_ptr is not None:
+            wide = self._ent_wide.copy()
+            ptr = self._ent_ptr
+            nz = np.flatnonzero((np.diff(ptr) > 0) & ~wide)
+            if len(nz) and len(self._ent_cls):
+                ent_sum[:, nz] = np.add.reduceat(vc.cls_hash[:, self._ent_cls], ptr[:-1][nz], axis=1)
+        mul = np.ones((2, max(self._tag_full, default=0) + 64), dtype=np.uint64)
+        for tag, tab in self._tag_full.items():
+            mul[:, tag] = vc.multipliers(vc.digest_of(tab))
+        self._xk = (vc, gh, ent_sum, wide, mul)
+        return self._xk
+
+    def _content_key(self, s: int) -> tuple:
+        """The cross-compile key of :meth:`state_bad` for s (:mod:`.verdict_cache`): the flags, the edges'
+        token sums weighted by their successors' table multipliers, the entering classes' sums."""
+        xk = self._xk if self._xk is not None else self._xkey_init()
+        _, gh, ent_sum, wide, mul = xk
+        M = self.M
+        e0, e1 = _kernels().content_key(s, M.edge_ptr, M.edge_group, M.edge_next, self.tag, gh, mul)
+        ent = None if wide[s] else (int(ent_sum[0, s]), int(ent_sum[1, s]))
+        return (bool(M.accepting[s]), bool(self.mid[s]), bool(self.ws_in[s]), int(e0), int(e1), ent)
+
     def state_bad(self, s: int):
         """The bad table of s given the current tables of its successors (None = all good); decided for
-        the classes of :meth:`entering_classes` (the others are left good)."""
+        the classes of :meth:`entering_classes` (the others are left good). Memoized by content across
+        the compiles of the process (:mod:`.verdict_cache`); with byte fallback (inner goodness depends
+        on the targets' own edges) and on the reference path (``use_kernels`` off: it must compute what
+        the tests compare) by the edges themselves, per compile."""
         M, H = self.M, self.H
         gs, ts = self._edges(s)
         acc = bool(M.accepting[s])
         ent = self.entering_classes(s)
-        # inner goodness (byte-fallback characters) depends on the targets' own edges: key on them then
-        key = (acc, bool(self.mid[s]), bool(self.ws_in[s]), gs.tobytes(), self.tag[ts].tobytes(),
-               ts.tobytes() if H.acc is not None else b"", None if ent is None else ent.tobytes())
-        got = self._cache.get(key, False)
-        if got is not False:
-            return got
+        shared = H.acc is None and self.use_kernels
+        if shared:
+            key = self._content_key(s)
+            found, got = self._xk[0].get(key)
+            if found:
+                return got
+        else:
+            key = (acc, bool(self.mid[s]), bool(self.ws_in[s]), gs.tobytes(), self.tag[ts].tobytes(),
+                   ts.tobytes() if H.acc is not None else b"", None if ent is None else ent.tobytes())
+            got = self._cache.get(key, False)
+            if got is not False:
+                return got
         # the candidate classes, as sorted ids: those that can be the last token's class here
         base = H.cls_mid if self.mid[s] else H.cls_boundary
         idx0 = np.flatnonzero(base) if ent is None else ent[base[ent]]
@@ -1211,6 +1258,8 @@ class _Analysis:
                 res[i, idx] = True
             if time.perf_counter() > self.deadline:
                 raise CompileBudgetError("canonical product exceeded the time budget", None)
+        if shared:
+            return self._xk[0].put(key, res)
         self._cache[key] = res
         return res
 
@@ -1218,7 +1267,7 @@ class _Analysis:
         """Store a new table; returns True if it changed. Tags are content-based (equal tables share a
         tag), so states with equal successor verdicts share cached results."""
         old = self.bad[s]
-        if table is None and old is None:
+        if table is old:  # (None twice, or the same shared table of the verdict cache)
             return False
         if table is not None and old is not None and np.array_equal(table, old):
             return False
@@ -1228,6 +1277,12 @@ class _Analysis:
         if table is None:
             self.tag[s] = 0
         else:
+            # tables of the verdict cache are shared objects: their tag by identity (pinned while the
+            # analysis lives, so an id is never reused), other tables by content
+            tag = self._tag_of_obj.get(id(table))
+            if tag is not None:
+                self.tag[s] = tag
+                return True
             key = table.tobytes()
             tag = self._tags.get(key)
             if tag is None:
@@ -1238,6 +1293,17 @@ class _Analysis:
                     self._tab = grown
                 self._tab[tag] = table[0]
                 self._tag_full[tag] = table
+                if self._xk is not None:  # the new tag's multipliers for content keys
+                    vc, mul = self._xk[0], self._xk[4]
+                    if tag >= mul.shape[1]:
+                        grown = np.ones((2, max(2 * mul.shape[1], tag + 1)), dtype=np.uint64)
+                        grown[:, : mul.shape[1]] = mul
+                        self._xk = (*self._xk[:4], grown)
+                        mul = grown
+                    mul[:, tag] = vc.multipliers(vc.digest_of(table))
+            if not table.flags.writeable:
+                self._tag_of_obj[id(table)] = tag
+                self._pinned.append(table)
             self.tag[s] = tag
         return True
 

@@ -40,7 +40,7 @@ import numpy as np
 
 __all__ = [
     "class_trie", "walk_class_trie", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
-    "canon_row", "canon_step", "sccs", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
+    "canon_row", "canon_step", "sccs", "content_key", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -1253,6 +1253,25 @@ _WARM = False
 _WARM_LOCK = threading.Lock()
 
 
+@_jit
+def content_key(s, edge_ptr, edge_group, edge_next, tag, gh, mul):
+    """The edge part of a state's cross-compile verdict key (:mod:`.verdict_cache`): over the edges of
+    regex state ``s`` (CSR ``edge_ptr``, ``edge_group``, ``edge_next``), the sums (wrapping ``uint64``) of
+    ``gh[i, group] * mul[i, tag[next]]`` for i = 0, 1 (tag 0: multiplier 1). Returns the two sums."""
+    h0 = np.uint64(0)
+    h1 = np.uint64(0)
+    for e in range(edge_ptr[s], edge_ptr[s + 1]):
+        g = edge_group[e]
+        t = tag[edge_next[e]]
+        if t == 0:
+            h0 += gh[0, g]
+            h1 += gh[1, g]
+        else:
+            h0 += gh[0, g] * mul[0, t]
+            h1 += gh[1, g] * mul[1, t]
+    return h0, h1
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel on tiny inputs of the dtypes the callers use.
     Idempotent and thread-safe; ~0.1 s with a warm cache, a few seconds the very first time."""
@@ -1281,6 +1300,8 @@ def warm_up() -> None:
         group_tokens(i64, 1)
         entering_classes(i64[:1], i64[:1], np.array([0, 1], np.int64), i64[:1], 1, 1)
         sccs(np.array([0, 1, 1], np.int64), np.array([1], np.int64))
+        content_key(0, np.array([0, 1], np.int64), i32[:1], i32[:1], i64, np.zeros((2, 1), np.uint64),
+                    np.ones((2, 1), np.uint64))
         witness_clear(np.zeros((1, 1), np.int32), np.full((1, 1), -1, np.int32), i64[:1], np.zeros((1, 1), np.bool_),
                       i32, i64[:1], i32, 12, i64[:1].copy())
         group_classes(np.zeros(1, np.int64), np.array([0, 1], np.int64), i64, np.full(2, -1, np.int64), i64[:1],
