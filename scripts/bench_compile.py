@@ -5,7 +5,8 @@ For each regex (paper 001 App. C.4's five, paper 000 App. C's Pokédex template,
 constraints) and each backend, on the same tokenizer (default SmolLM2, 49,152 tokens):
 
 * **cold compile**: median (and p90) of ``--repeats`` (>= 10) compilations with every compile cache off
-  (fst: no CompiledCache, fresh automaton each time; xgrammar: ``cache_enabled=False``; llguidance and
+  (fst: no CompiledCache, fresh automaton each time, no dead-end verdict of an earlier compile;
+  xgrammar: ``cache_enabled=False``; llguidance and
   outlines-core have no cross-call cache). Per-tokenizer preparation (fst: ``prepare``; xgrammar:
   ``TokenizerInfo``; llguidance: ``LLTokenizer``; outlines: ``Vocabulary``) is done once, outside.
 * **fill**: p50 / p99 in µs of one ``fill_bitmask`` call (one row of an ``int32`` bitmask of the
@@ -87,6 +88,12 @@ class Fst:
         self.opts = CompileOptions(canonical=canonical)
         prepare(artifacts, canonical=canonical)
         self.name = "fst canonical" if canonical else "fst"
+
+    def cold(self):
+        """Before each timed compile: no dead-end verdict of an earlier compile (compiler/verdict_cache.py)."""
+        from vllm_fst_backend.compiler import forget_verdicts
+
+        forget_verdicts(self.arts)
 
     def compile(self, regex):
         from vllm_fst_backend.compiler import compile_regex
@@ -275,6 +282,7 @@ def main(argv=None) -> int:
             times, err = [], None
             obj = None
             for _ in range(args.repeats):
+                getattr(be, "cold", lambda: None)()
                 t0 = time.perf_counter()
                 try:
                     obj = be.compile(regex)

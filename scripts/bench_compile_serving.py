@@ -1,14 +1,21 @@
 #!/usr/bin/env python
-"""Cold compile of the serving workload's constraints, stage by stage: where fst's compile time goes.
+"""Compile of the serving workload's constraints, stage by stage: where fst's compile time goes.
 
 The constraints are those of ``bench_e2e.py --workloads serving`` (``make_serving_cases``: tool-calling
-JSON schemas and regexes, fixed seed), each compiled ``--repeats`` times from scratch (no cache) for
-SmolLM2 in canonical mode, as the compile process of a server does it. For each constraint the median
-run's stage times (``CompiledAutomaton.stats``) are kept; the table gives the compile time p50 / p90 / max
-over the constraints and the sum of each stage over all of them (character DFA, byte DFA, token DFA
-(the trie walk and the group merge), canonical dead-end analysis, rows, explicit enumeration), plus
-xgrammar's cold compile of the same constraints for context (``compile_json_schema`` /
-``compile_regex``, cache off, one thread).
+JSON schemas and regexes, fixed seed), compiled for SmolLM2 in canonical mode two ways:
+
+* **cold**: each constraint ``--repeats`` times from scratch (no automaton cache, no dead-end verdict of an
+  earlier compile, ``compiler/verdict_cache.py``). For each constraint the median run's stage times
+  (``CompiledAutomaton.stats``) are kept; the table gives the compile time p50 / p90 / max over the
+  constraints and the sum of each stage over all of them (character DFA, byte DFA, token DFA (the trie
+  walk and the group merge), canonical dead-end analysis, rows, explicit enumeration);
+* **in serving order**: all constraints one after the other in one process, as a server's compile
+  process meets them (each new; the verdicts of the constraints before it kept), ``--repeats`` passes
+  each from an empty verdict cache; per constraint the median.
+
+xgrammar's compile of the same constraints is given for context the same two ways (``compile_json_schema``
+/ ``compile_regex``, one thread): cold (``cache_enabled=False``) and in serving order (one
+``GrammarCompiler`` with its cache on, as vLLM runs it; xgrammar shares compiled sub-rules between grammars).
 
 Writes the table into ``docs/benchmarks.md`` (section "Compile stages of the serving constraints") unless
 ``--no-write``.
@@ -51,7 +58,7 @@ def fst_regex(kind: str, spec) -> str:
 
 def measure_fst(cases, arts, repeats: int) -> list[dict]:
     """Per constraint: the stats of the median-time compile of ``repeats`` cold compiles."""
-    from vllm_fst_backend.compiler import compile_regex, prepare
+    from vllm_fst_backend.compiler import compile_regex, forget_verdicts, prepare
 
     prepare(arts)
     out = []
@@ -59,6 +66,7 @@ def measure_fst(cases, arts, repeats: int) -> list[dict]:
         rx = fst_regex(kind, spec)
         runs = []
         for _ in range(repeats):
+            forget_verdicts(arts)
             t0 = time.perf_counter()
             a = compile_regex(rx, arts)
             runs.append((time.perf_counter() - t0, a.stats))
@@ -70,40 +78,79 @@ def measure_fst(cases, arts, repeats: int) -> list[dict]:
     return out
 
 
-def measure_xgrammar(cases, tokenizer: str, V: int, repeats: int) -> list[float] | None:
-    """xgrammar cold compile ms (median of ``repeats``) per constraint, or None without xgrammar."""
+def measure_fst_in_order(cases, arts, repeats: int) -> list[dict]:
+    """Per constraint: median compile ms and dead-end ms over ``repeats`` passes over all constraints in
+    order, each pass from an empty verdict cache (module docstring)."""
+    from vllm_fst_backend.compiler import compile_regex, forget_verdicts
+
+    from vllm_fst_backend.compiler.canonical_product import canonical_helper
+    from vllm_fst_backend.compiler.token_trie import trie_for
+    from vllm_fst_backend.compiler.verdict_cache import verdict_cache
+
+    vc = verdict_cache(canonical_helper(arts, trie_for(arts)))
+    rxs = [fst_regex(kind, spec) for _, kind, spec in cases]
+    ms = [[] for _ in rxs]
+    dead = [[] for _ in rxs]
+    found = [[] for _ in rxs]
+    for _ in range(repeats):
+        forget_verdicts(arts)
+        for i, rx in enumerate(rxs):
+            h, m = vc.hits, vc.misses
+            t0 = time.perf_counter()
+            a = compile_regex(rx, arts)
+            ms[i].append(1e3 * (time.perf_counter() - t0))
+            dead[i].append(float(a.stats.get("ms_deadend", 0.0)))
+            n = vc.hits - h + vc.misses - m
+            found[i].append((vc.hits - h) / n if n else 1.0)
+    return [{"ms": statistics.median(m), "ms_deadend": statistics.median(d), "found": statistics.median(f)}
+            for m, d, f in zip(ms, dead, found)]
+
+
+def measure_xgrammar(cases, tokenizer: str, V: int, repeats: int) -> tuple[list[float], list[float]] | None:
+    """xgrammar compile ms per constraint: (cold, cache off: median of ``repeats``; in serving order, one
+    compiler with its cache on: median of ``repeats`` passes, each with a new compiler), or None without
+    xgrammar."""
     try:
         import xgrammar as xgr
         from transformers import AutoTokenizer
     except ImportError:
         return None
     info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tokenizer), vocab_size=V)
-    comp = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    out = []
-    for _, kind, spec in cases:
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            if kind == "json":
-                comp.compile_json_schema(json.dumps(spec), any_whitespace=False)
-            else:
-                comp.compile_regex(spec)
-            ts.append(time.perf_counter() - t0)
-        out.append(1e3 * statistics.median(ts))
-    return out
+
+    def one(comp, kind, spec) -> float:
+        t0 = time.perf_counter()
+        if kind == "json":
+            comp.compile_json_schema(json.dumps(spec), any_whitespace=False)
+        else:
+            comp.compile_regex(spec)
+        return 1e3 * (time.perf_counter() - t0)
+
+    cold_comp = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    cold = [statistics.median(one(cold_comp, kind, spec) for _ in range(repeats)) for _, kind, spec in cases]
+    passes = []
+    for _ in range(repeats):
+        comp = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        passes.append([one(comp, kind, spec) for _, kind, spec in cases])
+    return cold, [statistics.median(p[i] for p in passes) for i in range(len(cases))]
 
 
-def table(rows: list[dict], xgr_ms: list[float] | None) -> str:
-    ms = np.array([r["ms"] for r in rows])
-    lines = ["| constraints | compile p50 / p90 / max ms | sum ms | " + " | ".join(f"{label} (sum ms)" for _, label in STAGES)
-             + " | xgrammar compile p50 / p90 / max ms, sum |",
+def _stats(ms) -> str:
+    ms = np.asarray(ms, dtype=float)
+    return f"{np.percentile(ms, 50):.1f} / {np.percentile(ms, 90):.1f} / {ms.max():.1f}, {ms.sum():.0f}"
+
+
+def table(rows: list[dict], ordered: list[dict], xgr: tuple | None) -> str:
+    lines = ["| constraints | compile | fst p50 / p90 / max ms, sum | " + " | ".join(f"{label} (sum ms)" for _, label in STAGES)
+             + " | xgrammar p50 / p90 / max ms, sum |",
              "|---|---|---|" + "---|" * len(STAGES) + "---|"]
     sums = [sum(r[k] for r in rows) for k, _ in STAGES]
-    x = ("n/a" if xgr_ms is None else
-         f"{np.percentile(xgr_ms, 50):.1f} / {np.percentile(xgr_ms, 90):.1f} / {max(xgr_ms):.1f}, {sum(xgr_ms):.0f}")
-    lines.append(f"| {len(rows)} ({sum(r['kind'] == 'json' for r in rows)} JSON schemas) | {np.percentile(ms, 50):.1f} / "
-                 f"{np.percentile(ms, 90):.1f} / {ms.max():.1f} | {ms.sum():.0f} | " + " | ".join(f"{s:.0f}" for s in sums)
-                 + f" | {x} |")
+    head = f"{len(rows)} ({sum(r['kind'] == 'json' for r in rows)} JSON schemas)"
+    lines.append(f"| {head} | cold | {_stats([r['ms'] for r in rows])} | " + " | ".join(f"{s:.0f}" for s in sums)
+                 + f" | {'n/a' if xgr is None else _stats(xgr[0])} |")
+    dead = sum(r["ms_deadend"] for r in ordered)
+    lines.append(f"| {head} | in serving order | {_stats([r['ms'] for r in ordered])} | "
+                 + " | ".join(f"{dead:.0f}" if k == "ms_deadend" else "" for k, _ in STAGES)
+                 + f" | {'n/a' if xgr is None else _stats(xgr[1])} |")
     return "\n".join(lines)
 
 
@@ -126,8 +173,9 @@ def main(argv=None) -> int:
     for r in sorted(rows, key=lambda r: -r["ms"]):
         print(f"{r['name']:28s} {r['kind']:5s} {r['ms']:8.1f} ms  byte states {r['byte_states']}  {r['mode']:9s} "
               + "  ".join(f"{k[3:]} {r[k]:.1f}" for k, _ in STAGES), flush=True)
-    xgr_ms = None if args.no_xgrammar else measure_xgrammar(cases, args.tokenizer, int(arts.vocab_size), args.repeats)
-    body = table(rows, xgr_ms)
+    ordered = measure_fst_in_order(cases, arts, args.repeats)
+    xgr = None if args.no_xgrammar else measure_xgrammar(cases, args.tokenizer, int(arts.vocab_size), args.repeats)
+    body = table(rows, ordered, xgr)
     print(body)
     if args.no_write:
         return 0
@@ -135,10 +183,18 @@ def main(argv=None) -> int:
 
     cmd = "python scripts/bench_compile_serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
     slow = sorted(rows, key=lambda r: -r["ms"])[:3]
-    note = (f"Tokenizer `{args.tokenizer}`, canonical mode (the default), no compile cache: the first {args.requests} "
-            f"constraints of the serving workload (seed of `make_serving_cases`), each the median of {args.repeats} "
-            "cold compiles in one process (per-tokenizer preparation done once, outside). The stage sums add up to "
-            "the compile sum less parsing and bookkeeping. Slowest: "
+    note = (f"Tokenizer `{args.tokenizer}`, canonical mode (the default): the first {args.requests} "
+            f"constraints of the serving workload (seed of `make_serving_cases`). Cold: each the median of {args.repeats} "
+            "compiles in one process with no automaton cache and no dead-end verdict of an earlier compile "
+            "(per-tokenizer preparation done once, outside); the stage sums add up to the compile sum less parsing "
+            "and bookkeeping. In serving order: the constraints one after the other in one process, each new, "
+            "the dead-end verdicts of those before it kept (compiler/verdict_cache.py), median of "
+            f"{args.repeats} passes each from an empty cache; only the dead-end sum is split out; share of a JSON "
+            "schema's verdicts found in the cache (made for the constraints before it), median over the schemas after "
+            f"the first 8: {100 * float(np.median([o['found'] for c, o in zip(cases[8:], ordered[8:]) if c[1] == 'json'] or [0])):.0f} %. "
+            "xgrammar (one "
+            "thread): cold = `cache_enabled=False`; in serving order = one `GrammarCompiler` with its cache on. "
+            "Slowest (cold): "
             + ", ".join(f"`{r['name']}` {r['ms']:.0f} ms ({r['byte_states']} byte states)" for r in slow)
             + f". Host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end of the run.")
     write_section("Compile stages of the serving constraints", cmd.strip(), body, note)

@@ -466,10 +466,11 @@ class FstRunner:
         self.budget_s = budget_s
 
     def compile(self, schema_text: str) -> tuple[Any, dict]:
-        from vllm_fst_backend.compiler import compile_regex
+        from vllm_fst_backend.compiler import compile_regex, forget_verdicts
         from vllm_fst_backend.compiler.constraints import json_schema_to_regex
         from vllm_fst_backend.errors import FstBackendError
 
+        forget_verdicts(self.arts)  # cold, as the other backends' cleared caches
         t0 = time.perf_counter()
         try:
             regex = json_schema_to_regex(schema_text, deadline=t0 + self.budget_s)

@@ -4,8 +4,9 @@ See :mod:`.compile` for the pipeline and ``docs/architecture.md`` for the contra
 """
 
 from .cache import CompiledCache
-from .compile import CompileBudgets, compile_regex, prepare
+from .compile import CompileBudgets, compile_regex, forget_verdicts, prepare
 from .compiled import CompiledAutomaton
 from .options import CompileOptions
 
-__all__ = ["compile_regex", "CompileOptions", "CompiledAutomaton", "CompiledCache", "CompileBudgets", "prepare"]
+__all__ = ["compile_regex", "CompileOptions", "CompiledAutomaton", "CompiledCache", "CompileBudgets", "prepare",
+           "forget_verdicts"]

@@ -71,6 +71,16 @@ def prepare(artifacts, canonical: bool = True) -> None:
         canonical_helper(artifacts, trie)
 
 
+def forget_verdicts(artifacts) -> None:
+    """Empty this process's dead-end verdict cache for ``artifacts`` (:mod:`.verdict_cache`), so that the
+    next compile computes every verdict itself: a *cold* compile, as benchmarks measure it. No-op when
+    no canonical compile ran yet."""
+    helper = getattr(artifacts, "_fst_canon_helper", None)
+    vc = getattr(helper, "_fst_verdicts", None)
+    if vc is not None:
+        vc.clear()
+
+
 def compile_regex(regex: str, artifacts, options: CompileOptions | None = None, *,
                   budgets: CompileBudgets | None = None) -> CompiledAutomaton:
     """Compile ``regex`` for the tokenizer of ``artifacts``.

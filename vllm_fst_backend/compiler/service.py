@@ -31,7 +31,9 @@ requests one at a time each:
   so one long compile never holds the others back. On a host whose CPUs also run the model, compiles
   running side by side only share the same free CPU: each takes as long as all of them together,
   where one after the other (shortest first) most finish sooner. A burst of 8 new schemas at 2 CPUs
-  showed it (docs/benchmarks.md, serving).
+  showed it (docs/benchmarks.md, serving);
+* a free process is taken most-recently-used first: a compile reuses the dead-end verdicts of the
+  compiles before it in the same process (:mod:`.verdict_cache`), so the work goes where they are.
 
 Wire format (both directions): 8-byte little-endian length + pickle. Request: dict with ``kind``,
 ``spec``, ``whitespace_pattern``, ``options`` (:class:`~.options.CompileOptions`), ``budget_s``.
@@ -355,7 +357,7 @@ class CompileService:
             if not quick:
                 self._running[entry[1]] = time.monotonic()
             if self._idle:
-                w = self._idle.popleft()
+                w = self._idle.pop()  # the process used last: its caches are warm (verdict_cache)
                 w.ticket = entry[1]
                 return w
             self._n_live += 1

@@ -142,6 +142,11 @@ class VerdictCache:
             verdicts[key] = d
         return table
 
+    def clear(self) -> None:
+        """Forget every verdict (the next compiles compute theirs)."""
+        with self._lock:
+            self._gen = ({}, {}, [0], {})
+
     def nbytes(self) -> int:
         """Bytes of the tables kept now (the keys add ~150 bytes per verdict)."""
         return self._gen[2][0]
