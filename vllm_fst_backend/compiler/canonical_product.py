@@ -1189,16 +1189,16 @@ class _Analysis:
         on the targets' own edges) and on the reference path (``use_kernels`` off: it must compute what
         the tests compare) by the edges themselves, per compile."""
         M, H = self.M, self.H
-        gs, ts = self._edges(s)
-        acc = bool(M.accepting[s])
-        ent = self.entering_classes(s)
         shared = H.acc is None and self.use_kernels
         if shared:
             key = self._content_key(s)
             found, got = self._xk[0].get(key)
             if found:
                 return got
-        else:
+        gs, ts = self._edges(s)
+        acc = bool(M.accepting[s])
+        ent = self.entering_classes(s)
+        if not shared:
             key = (acc, bool(self.mid[s]), bool(self.ws_in[s]), gs.tobytes(), self.tag[ts].tobytes(),
                    ts.tobytes() if H.acc is not None else b"", None if ent is None else ent.tobytes())
             got = self._cache.get(key, False)
@@ -1322,16 +1322,18 @@ class _Analysis:
             skip = M.byte_state >= n_char_states
         else:
             skip = np.zeros(M.num_states, dtype=bool)
+        src = np.repeat(np.arange(M.num_states), np.diff(M.edge_ptr))
+        self_loop = np.zeros(M.num_states, dtype=bool)
+        self_loop[src[M.edge_next == src]] = True
+        skip_l, loop_l = skip.tolist(), self_loop.tolist()
         for comp in comps:
-            comp = [s for s in comp if not skip[s]]
+            comp = [s for s in comp if not skip_l[s]]
             if not comp:
                 continue
-            if len(comp) == 1:
+            if len(comp) == 1 and not loop_l[comp[0]]:
                 s = comp[0]
-                a, b = int(M.edge_ptr[s]), int(M.edge_ptr[s + 1])
-                if not (M.edge_next[a:b] == s).any():
-                    self._set(s, self.state_bad(s))
-                    continue
+                self._set(s, self.state_bad(s))
+                continue
             # chaotic iteration with a worklist (monotone: tables only lose bad entries), starting from
             # all-bad = the least fixpoint's bottom; a change re-queues the predecessors inside the SCC
             members = set(comp)
@@ -2072,13 +2074,16 @@ def _append_rows(buf: np.ndarray, n: int, rows: np.ndarray) -> np.ndarray:
 def _signatures(an: _Analysis) -> np.ndarray:
     """``int32[S]``: the signature of each regex state, numbered from 0 in order of first appearance:
     states with equal (edge groups, successor tags) have equal base rows and special-token tables."""
-    S = an.M.num_states
+    M = an.M
+    S = M.num_states
     keys: dict = {}
     index = np.empty(S, dtype=np.int32)
-    tag = an.tag
-    for s in range(S):
-        gs, ts = an._edges(s)
-        index[s] = keys.setdefault((gs.tobytes(), tag[ts].tobytes()), len(keys))
+    ptr = M.edge_ptr.tolist()
+    eg = np.ascontiguousarray(M.edge_group, dtype=np.int32).tobytes()
+    et = np.ascontiguousarray(an.tag[M.edge_next], dtype=np.int64).tobytes()
+    for s in range(S):  # (bytes slices: no numpy call per state)
+        a, b = ptr[s], ptr[s + 1]
+        index[s] = keys.setdefault((eg[4 * a : 4 * b], et[8 * a : 8 * b]), len(keys))
     return index
 
 

@@ -208,19 +208,19 @@ def byte_dfa_table(cdfa: CharDFA, *, max_states: int = 200_000, deadline: float 
     key_cache: dict = {}
     total = nc
     for s in range(nc):
-        by_target: dict[int, list[int]] = {}
-        for c, t in cdfa.trans[s].items():
-            by_target.setdefault(t, []).append(c)
-        targets = sorted(by_target, key=lambda t: min(by_target[t]))
-        key = tuple(tuple(sorted(by_target[t])) for t in targets)
+        # the state's classes in order and, per class, its target's rank by first appearance (= the
+        # targets ordered by their smallest class): the partition of the classes by target
+        items = sorted(cdfa.trans[s].items())
+        rank: dict[int, int] = {}
+        key = (tuple([c for c, _ in items]), tuple([rank.setdefault(t, len(rank)) for _, t in items]))
         g = key_cache.get(key)
         if g is None:
             groups = []
-            for cls_ids in key:
-                rs = sorted(r for c in cls_ids for r in cdfa.classes[c])
+            for i in range(len(rank)):
+                rs = sorted(r for c, j in zip(*key) if j == i for r in cdfa.classes[c])
                 groups.append(tuple(rs))
             g = key_cache[key] = _gadget(tuple(groups))
-        plans.append((g, np.asarray(targets, dtype=np.int32)))
+        plans.append((g, np.fromiter(rank, dtype=np.int32, count=len(rank))))
         total += g.shape[0] - 1
         if total > max_states:
             raise CompileBudgetError(f"byte automaton exceeds {max_states} states", None)
