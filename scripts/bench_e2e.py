@@ -1352,7 +1352,29 @@ def _size_label(n: int, c: int, repeat: bool) -> str:
 
 
 def _row_label(r: dict) -> str:
-    return _size_label(*_size_key(r))
+    return _size_label(*_size_key(r)) + (f", round {r['round']}" if r.get("round") else "")
+
+
+def _merge_rounds(rs: list[dict]) -> dict:
+    """One row for the targets from the rounds of a row size (same backend): medians of TTFT p50 / p90,
+    tokens/s and wall time, the worst /health over all, pooled validity and canonicality."""
+    if len(rs) == 1:
+        return rs[0]
+    out = dict(rs[0])
+    for k in ("ttft_p50_ms", "ttft_p90_ms", "tok_s", "wall_s"):
+        vals = [r[k] for r in rs if r.get(k) is not None]
+        out[k] = _pct(vals, 50) if vals else None
+    hs = [r["health_max_ms"] for r in rs if r.get("health_max_ms") is not None]
+    out["health_max_ms"] = max(hs) if hs else None
+    out["health_errors"] = sum(r.get("health_errors", 0) for r in rs)
+    ok = sum(r["ok"] for r in rs)
+    out["ok"], out["failed"] = ok, sum(r["failed"] for r in rs)
+    out["valid"] = sum((r.get("valid") or 0) * r["ok"] for r in rs) / ok if ok else None
+    n = sum(r.get("canonical_n", 0) for r in rs)
+    out["canonical_n"] = n
+    out["canonical"] = sum((r.get("canonical") or 0) * r.get("canonical_n", 0) for r in rs) / n if n else None
+    out["rounds"] = len(rs)
+    return out
 
 
 def render_serving_table(rows: list[dict]) -> str:
@@ -1388,13 +1410,17 @@ def serving_targets(rows: list[dict]) -> list[str]:
         return "met" if ok else "NOT met"
 
     for size in dict.fromkeys(_size_key(r) for r in rows if not r.get("repeat")):  # targets: new constraints
-        at = {r["backend"]: r for r in rows if _size_key(r) == size}
+        by: dict[str, list] = {}
+        for r in rows:
+            if _size_key(r) == size:
+                by.setdefault(r["backend"], []).append(r)
+        at = {b: _merge_rounds(rs) for b, rs in by.items()}
         x = at.get("xgrammar")
         for b in ("fst", "fst-jump"):
             f = at.get(b)
             if f is None:
                 continue
-            tag = f"{b} @ {size[0]} × {size[1]}"
+            tag = f"{b} @ {size[0]} × {size[1]}" + (f" (median of {f['rounds']} rounds)" if f.get("rounds") else "")
             for key, lim, what in (("ttft_p50_ms", 1.0, "TTFT p50"), ("ttft_p90_ms", 1.5, "TTFT p90")):
                 if x and f.get(key) is not None and x.get(key):
                     ratio = f[key] / x[key]
@@ -1499,6 +1525,13 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
         "`token_ids` (trailing EOS removed) == the tokenizer's encoding of the text. Servers run with `--enforce-eager`.",
         f"Host: {meta.get('host', '?')}. The client shares the machine with the server: speed figures are noisy.",
     ]
+    if any(r.get("round") for r in rows):
+        notes.append(
+            "Rows \"round k\": the first row size run again on the same server, each round with new constraints "
+            "(the next cases of the same seeded list, after the other rows' ones): a run's figures vary a lot on this "
+            "host, so the targets use each backend's medians over the rounds (TTFT p50 / p90, tokens/s), its worst "
+            "/health over all of them, and its outputs pooled."
+        )
     if any(r.get("repeat") for r in rows):
         notes.append(
             "Rows \"repeated\": the first row's requests sent again to the same server after the other rows, so every "
@@ -1600,26 +1633,34 @@ class ServingConfig:
     json_via: str = "response_format"
     timeout: float = 600.0
     repeat: bool = False  # run the first row size again on the same server (its constraints seen before)
+    rounds: int = 1  # runs of the first row size, each with new constraints (targets: their medians)
 
 
 def serving_rows(backend: str, base: str, scfg: ServingConfig, tokenizer, stop_ids: set[int]) -> list[dict]:
     """Every row size of the serving workload on one running server (distinct constraints across rows)."""
-    cases = make_serving_cases(sum(n for n, _ in scfg.sizes))
+    extra = max(scfg.rounds - 1, 0) * (scfg.sizes[0][0] if scfg.sizes else 0)
+    cases = make_serving_cases(sum(n for n, _ in scfg.sizes) + extra)
     serving_warmup(base, backend)
-    runs, start = [], 0  # (cases, concurrency, constraints seen before)
-    for n, conc in scfg.sizes:
-        runs.append((cases[start : start + n], conc, False))
+    runs, start = [], 0  # (cases, concurrency, constraints seen before, round or 0)
+    for i, (n, conc) in enumerate(scfg.sizes):
+        runs.append((cases[start : start + n], conc, False, 1 if i == 0 and scfg.rounds > 1 else 0))
         start += n
-    if scfg.repeat and scfg.sizes:
+    if scfg.sizes:
         n, conc = scfg.sizes[0]
-        runs.append((cases[:n], conc, True))
+        for k in range(2, scfg.rounds + 1):  # more rounds of the first size, each with new constraints
+            runs.append((cases[start : start + n], conc, False, k))
+            start += n
+        if scfg.repeat:
+            runs.append((cases[:n], conc, True, 0))
     rows = []
-    for part, conc, again in runs:
-        print(f"[bench_e2e] {backend}/serving: {_size_label(len(part), conc, again)} ...", flush=True)
+    for part, conc, again, rnd in runs:
+        print(f"[bench_e2e] {backend}/serving: {_size_label(len(part), conc, again)}{f', round {rnd}' if rnd else ''} ...", flush=True)
         results, wall, health = run_serving(base, backend, part, conc, scfg.max_tokens, scfg.temperature, scfg.json_via, scfg.timeout)
         row = summarize_serving(backend, part, results, wall, health, conc, tokenizer, stop_ids)
         if again:
             row["repeat"] = True
+        if rnd:
+            row["round"] = rnd
         rows.append(row)
     return rows
 
@@ -1654,6 +1695,11 @@ def parse_args(argv=None):
         "--serving-repeat", action="store_true",
         help="serving workload: run the first row again on the same server, its constraints now seen before "
              "(each backend's compile cache), as the row '<n> × <c>, repeated'",
+    )  # fmt: skip
+    ap.add_argument(
+        "--serving-rounds", type=int, default=1,
+        help="serving workload: run the first row size this many times on the same server, each round with new "
+             "constraints (rows '<n> × <c>, round k'); the targets then use the medians over the rounds",
     )  # fmt: skip
     ap.add_argument("--serving-max-tokens", type=int, default=96)
     ap.add_argument("--serving-temperature", type=float, default=0.7)
@@ -1735,7 +1781,8 @@ def main(argv=None) -> int:
     sizes = [(args.serving_requests, args.serving_concurrency)]
     if not args.no_serving_large:
         sizes.append((args.serving_large_requests, args.serving_large_concurrency))
-    scfg = ServingConfig(sizes, args.serving_max_tokens, args.serving_temperature, args.serving_json_via, repeat=args.serving_repeat)
+    scfg = ServingConfig(sizes, args.serving_max_tokens, args.serving_temperature, args.serving_json_via, repeat=args.serving_repeat,
+                         rounds=max(1, args.serving_rounds))
     do_serving = "serving" in args.workloads
 
     serving_fail: dict[str, str] = {}

@@ -333,6 +333,25 @@ def test_serving_repeated_rows_are_shown_but_not_targeted(tmp_path):
     assert b.make_serving_plot(rows + again, tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_serving_rounds_are_shown_and_targeted_by_their_medians():
+    """``--serving-rounds``: each round of the first row size is a row of its own in the table; the targets
+    take each backend's medians over the rounds (TTFT, tokens/s), its worst /health and its pooled outputs."""
+    b = _bench()
+    _, (f, x) = _rows(b)
+    f2 = dict(f, round=2, ttft_p50_ms=150.0, health_max_ms=60.0, valid=0.5)
+    x2 = dict(x, round=2)
+    rows = [dict(f, round=1), dict(x, round=1), f2, x2]
+    table = b.render_serving_table(rows)
+    assert "| fst | 4 × 2, round 1 |" in table and "| fst | 4 × 2, round 2 |" in table
+    tgt = b.serving_targets(rows)
+    # fst TTFT p50: median(250, 150) = 200 vs xgrammar median(200, 200): 1.00x, met
+    assert tgt[0].startswith("- fst @ 4 × 2 (median of 2 rounds): TTFT p50 ≤ 1.0× xgrammar: 1.00×") and tgt[0].endswith("— met.")
+    assert any("worst /health ≤ 50 ms: 60.0 ms" in t and t.endswith("NOT met.") for t in tgt)
+    assert any("valid 75.0 %" in t for t in tgt)  # (4 outputs at 100 % and 4 at 50 %)
+    merged = b._merge_rounds([dict(f, round=1), f2])
+    assert merged["ok"] == 8 and merged["rounds"] == 2 and merged["ttft_p50_ms"] == pytest.approx(200.0)
+
+
 def test_bench_compile_serving_stages(fst_artifacts):
     """scripts/bench_compile_serving.py compiles the first serving constraints for real (canonical, SmolLM2)
     and reports every stage: the stage sums are positive where the stage ran and add up to at most the
@@ -348,5 +367,9 @@ def test_bench_compile_serving_stages(fst_artifacts):
         assert r["ms_char"] > 0 and r["ms_token"] > 0 and r["ms_deadend"] > 0, r
         assert 0 < stages <= r["ms"], r
         assert r["byte_states"] > 1
-    table = b.table(rows, None)
-    assert table.splitlines()[2].startswith("| 3 (2 JSON schemas) |") and "n/a" in table
+    ordered = b.measure_fst_in_order(cases, fst_artifacts("smollm2"), repeats=1)
+    assert len(ordered) == 3 and all(o["ms"] > 0 and 0.0 <= o["found"] <= 1.0 for o in ordered)
+    assert ordered[0]["ms_deadend"] > 0
+    lines = b.table(rows, ordered, None).splitlines()
+    assert lines[2].startswith("| 3 (2 JSON schemas) | cold |") and "n/a" in lines[2]
+    assert lines[3].startswith("| 3 (2 JSON schemas) | in serving order |")

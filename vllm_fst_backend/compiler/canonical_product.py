@@ -51,6 +51,7 @@ from ..errors import CompileBudgetError, EmptyLanguageError
 from .compiled import CompiledAutomaton
 from .explicit import set_eos_bits
 from .token_dfa import TokenDFA
+from .verdict_cache import table_digest
 
 __all__ = ["CanonHelper", "canonical_helper", "canonical_automaton", "FactoredCanonical"]
 
@@ -582,9 +583,9 @@ class _Analysis:
         self._token_arrays()
 
     def _tag_index(self) -> None:
-        """Rebuild ``_tags`` (table bytes -> tag, needed only to analyse again) and ``_tab`` (σ=ALL rows per
+        """Rebuild ``_tags`` (table digest -> tag, needed only to analyse again) and ``_tab`` (σ=ALL rows per
         tag) from ``_tag_full`` (after loading: they are not pickled)."""
-        self._tags = {tab.tobytes(): tag for tag, tab in self._tag_full.items()}
+        self._tags = {table_digest(tab): tag for tag, tab in self._tag_full.items()}
         if self._tab is None:
             self._tab_index()
 
@@ -1283,7 +1284,7 @@ class _Analysis:
             if tag is not None:
                 self.tag[s] = tag
                 return True
-            key = table.tobytes()
+            key = table_digest(table)
             tag = self._tags.get(key)
             if tag is None:
                 tag = self._tags[key] = len(self._tags) + 1
@@ -1300,7 +1301,7 @@ class _Analysis:
                         grown[:, : mul.shape[1]] = mul
                         self._xk = (*self._xk[:4], grown)
                         mul = grown
-                    mul[:, tag] = vc.multipliers(vc.digest_of(table))
+                    mul[:, tag] = vc.multipliers(key)
             if not table.flags.writeable:
                 self._tag_of_obj[id(table)] = tag
                 self._pinned.append(table)

@@ -10,8 +10,8 @@ share most of it too (the inside of a bounded string, a number, the text between
 token DFAs number groups, states and tables differently, so this cache keys a verdict by content:
 
 * the tokens on the edges as a sum of per-token random 64-bit values (two of them: 128 bits), each
-  edge's sum multiplied by an odd number derived from the successor's bad table (its BLAKE2b digest;
-  1 for "all good") — equal for any grouping of the same tokens onto successors with equal tables;
+  edge's sum multiplied by an odd number derived from the successor's bad table (the BLAKE2b digest of
+  its bad entries, :func:`table_digest`; 1 for "all good") — equal for any grouping of the same tokens onto successors with equal tables;
 * the entering classes as a sum of per-class random values;
 * the three flags.
 
@@ -31,7 +31,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["VerdictCache", "verdict_cache", "MAX_BYTES", "MAX_ENTRIES"]
+__all__ = ["VerdictCache", "verdict_cache", "table_digest", "MAX_BYTES", "MAX_ENTRIES"]
 
 MAX_BYTES = 64 << 20  # distinct bad tables kept (SmolLM2: 43 KB each, Tekken: 180 KB)
 MAX_ENTRIES = 200_000  # verdicts kept (~150 bytes each)
@@ -69,8 +69,8 @@ class VerdictCache:
 
     @staticmethod
     def digest(table: np.ndarray) -> bytes:
-        """16-byte BLAKE2b digest of a bad table's bytes."""
-        return hashlib.blake2b(np.ascontiguousarray(table).tobytes(), digest_size=16).digest()
+        """16-byte BLAKE2b digest of a bad table (:func:`table_digest`)."""
+        return table_digest(table)
 
     def digest_of(self, table: np.ndarray) -> bytes:
         """:meth:`digest`, looked up for the tables this cache shares (kept alive by it while listed)."""
@@ -153,6 +153,13 @@ class VerdictCache:
 
     def __len__(self) -> int:
         return len(self._gen[0])
+
+
+def table_digest(table: np.ndarray) -> bytes:
+    """16-byte BLAKE2b digest of a bad table (``bool[nσ, C]``): of its shape and the flat indices of its
+    bad entries (few: hashing them is ~3x faster than the table's bytes, 180 KB at Tekken)."""
+    idx = np.flatnonzero(table).astype(np.int32)
+    return hashlib.blake2b(np.asarray(table.shape, dtype=np.int64).tobytes() + idx.tobytes(), digest_size=16).digest()
 
 
 def verdict_cache(helper) -> VerdictCache:
