@@ -676,10 +676,18 @@ def test_deadend_verdicts_shared_between_compiles_are_exact(fst_artifacts, monke
             assert ma.accept_tokens("a", [t]) and mb.accept_tokens("b", [t])
 
 
-def test_verdict_cache_is_bounded():
+def test_verdict_cache_is_bounded(monkeypatch):
     """Over its byte or entry budget the verdict cache starts empty again; tables it returns are shared,
-    read-only, and equal ones are stored once."""
-    from vllm_fst_backend.compiler.verdict_cache import VerdictCache
+    read-only, and equal ones are stored once. Its budget is at most an eighth of the compile memory
+    budget, which counts it."""
+    from types import SimpleNamespace
+
+    from vllm_fst_backend.compiler.verdict_cache import MAX_BYTES, VerdictCache, verdict_cache
+
+    monkeypatch.setenv("VLLM_FST_COMPILE_MEMORY_MB", "128")
+    assert verdict_cache(SimpleNamespace(V=10, C=4)).max_bytes == 16 << 20
+    monkeypatch.delenv("VLLM_FST_COMPILE_MEMORY_MB")
+    assert verdict_cache(SimpleNamespace(V=10, C=4)).max_bytes == MAX_BYTES
 
     vc = VerdictCache(10, 4, max_bytes=3 * 8, max_entries=5)
     t = np.zeros((2, 4), dtype=bool)

@@ -19,8 +19,9 @@ A verdict is exact whatever grouping or witness order computed it, so a hit retu
 the analysis would compute (tests compare a compile on a warm cache with one on a cold cache). Two
 different contents sharing a key needs a 128-bit collision of random sums.
 
-Bounded: at most :data:`MAX_BYTES` of distinct tables and :data:`MAX_ENTRIES` verdicts; over either the
-cache starts empty again. Thread-safe (compiles may run in threads of one engine process); a table it
+Bounded: at most :data:`MAX_BYTES` of distinct tables and :data:`MAX_ENTRIES` verdicts, and at most an
+eighth of the compile memory budget (``$VLLM_FST_COMPILE_MEMORY_MB``, which counts the cache: a process
+that compiles many schemas must not push a small one over it); over either the cache starts empty again. Thread-safe (compiles may run in threads of one engine process); a table it
 returns is read-only and shared.
 """
 
@@ -162,6 +163,18 @@ def table_digest(table: np.ndarray) -> bytes:
     return hashlib.blake2b(np.asarray(table.shape, dtype=np.int64).tobytes() + idx.tobytes(), digest_size=16).digest()
 
 
+def _budget_share() -> int:
+    """Bytes of tables the process's caches may keep: :data:`MAX_BYTES`, at most an eighth of the compile
+    memory budget (:func:`.service.memory_budget_from_env`; its default when the variable is malformed)."""
+    from .service import memory_budget_from_env
+
+    try:
+        budget = memory_budget_from_env()
+    except Exception:  # (malformed: the request path reports it; here the default applies)
+        budget = 768 << 20
+    return max(1 << 20, min(MAX_BYTES, budget // 8))
+
+
 def verdict_cache(helper) -> VerdictCache:
     """The process's :class:`VerdictCache` of a canonical helper (``V`` tokens, ``C`` classes), made on
     first use and kept on the helper."""
@@ -170,6 +183,7 @@ def verdict_cache(helper) -> VerdictCache:
         with _LOCK:
             vc = getattr(helper, "_fst_verdicts", None)
             if vc is None:
-                vc = VerdictCache(helper.V, helper.C)
+                cap = _budget_share()
+                vc = VerdictCache(helper.V, helper.C, max_bytes=cap, max_entries=min(MAX_ENTRIES, cap // 320))
                 helper._fst_verdicts = vc
     return vc
