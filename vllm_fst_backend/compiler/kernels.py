@@ -24,6 +24,7 @@ each kernel reproduces one numpy step of the reference path exactly, see the fun
 
 Factored canonical product (:mod:`.canonical_product`, 004 Eq. 5 / §6.5):
 
+* :func:`content_key` -- the edge part of a state's cross-compile dead-end verdict key (:mod:`.verdict_cache`);
 * :func:`canon_row` -- the allowed-token row of a product state ``(s, 0, k, σ)``;
 * :func:`canon_step` -- one decoding step: successor state and its row in one call.
 
