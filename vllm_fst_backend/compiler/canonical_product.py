@@ -484,7 +484,7 @@ class _Analysis:
         self._inner_memo: dict = {}
         self._bstatic: dict = {}
         self._xk = None  # (verdict cache, group hashes, per-state entering-class sums, tag multipliers)
-        self._tag_of_obj: dict = {}  # id(read-only shared table) -> tag (_set)
+        self._tag_of_obj: dict = {}  # id(table) -> tag (_set)
         self._pinned: list = []  # (those tables, kept alive)
         # entering classes (see entering_classes); not with a byte-fallback acceptor (inner goodness
         # reads other classes)
@@ -1278,8 +1278,9 @@ class _Analysis:
         if table is None:
             self.tag[s] = 0
         else:
-            # tables of the verdict cache are shared objects: their tag by identity (pinned while the
-            # analysis lives, so an id is never reused), other tables by content
+            # a table object met before (shared tables of the verdict cache, all-bad in a cycle, a memoized
+            # verdict): its tag by identity (pinned while the analysis lives, so an id is never reused;
+            # tables are never changed once made), a new one by content
             tag = self._tag_of_obj.get(id(table))
             if tag is not None:
                 self.tag[s] = tag
@@ -1302,9 +1303,8 @@ class _Analysis:
                         self._xk = (*self._xk[:4], grown)
                         mul = grown
                     mul[:, tag] = vc.multipliers(key)
-            if not table.flags.writeable:
-                self._tag_of_obj[id(table)] = tag
-                self._pinned.append(table)
+            self._tag_of_obj[id(table)] = tag
+            self._pinned.append(table)
             self.tag[s] = tag
         return True
 
@@ -1364,6 +1364,7 @@ class _Analysis:
                 if steps > 1_000_000:
                     raise CompileBudgetError("canonical dead-end analysis did not converge", None)
             self._inner_memo.clear()
+        self._tag_of_obj, self._pinned = {}, []  # (the tables set during the run; bad[] keeps the final ones)
 
 
 # --------------------------------------------------------------------------------------------------

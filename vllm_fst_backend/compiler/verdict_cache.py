@@ -11,7 +11,7 @@ token DFAs number groups, states and tables differently, so this cache keys a ve
 
 * the tokens on the edges as a sum of per-token random 64-bit values (two of them: 128 bits), each
   edge's sum multiplied by an odd number derived from the successor's bad table (the BLAKE2b digest of
-  its bad entries, :func:`table_digest`; 1 for "all good") — equal for any grouping of the same tokens onto successors with equal tables;
+  its packed bits, :func:`table_digest`; 1 for "all good") — equal for any grouping of the same tokens onto successors with equal tables;
 * the entering classes as a sum of per-class random values;
 * the three flags.
 
@@ -157,10 +157,10 @@ class VerdictCache:
 
 
 def table_digest(table: np.ndarray) -> bytes:
-    """16-byte BLAKE2b digest of a bad table (``bool[nσ, C]``): of its shape and the flat indices of its
-    bad entries (few: hashing them is ~3x faster than the table's bytes, 180 KB at Tekken)."""
-    idx = np.flatnonzero(table).astype(np.int32)
-    return hashlib.blake2b(np.asarray(table.shape, dtype=np.int64).tobytes() + idx.tobytes(), digest_size=16).digest()
+    """16-byte BLAKE2b digest of a bad table (``bool[nσ, C]``): of its shape and its bits packed (an eighth
+    of its bytes: 180 KB at Tekken)."""
+    bits = np.packbits(np.ascontiguousarray(table, dtype=bool))
+    return hashlib.blake2b(np.asarray(table.shape, dtype=np.int64).tobytes() + bits.tobytes(), digest_size=16).digest()
 
 
 def _budget_share() -> int:
