@@ -623,13 +623,28 @@ def strip_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
     return ids
 
 
+def sample_canonical(s: Sample, tokenizer, stop_ids: set[int]) -> bool:
+    """Whether a sample's ids (trailing EOS removed) are the tokenizer's encoding of its text. An output cut
+    by ``max_tokens`` (finish "length") inside a multi-byte character has no such encoding (its text ends in
+    U+FFFD): its last tokens that do not complete a character are left out of the comparison."""
+    ids = strip_stop(s.token_ids, stop_ids)
+    text = s.text
+    if s.finish == "length":
+        for _ in range(4):  # (a UTF-8 character has at most 4 bytes: at most 3 tokens short of it)
+            if not ids or not tokenizer.decode(ids).endswith("\ufffd"):
+                break
+            ids = ids[:-1]
+        text = tokenizer.decode(ids)
+    return ids == tokenizer.encode(text, add_special_tokens=False)
+
+
 def canonical_rate(samples: list[Sample], tokenizer, stop_ids: set[int]) -> float | None:
     ok = tot = 0
     for s in samples:
         if not s.token_ids:
             continue
         tot += 1
-        ok += strip_stop(s.token_ids, stop_ids) == tokenizer.encode(s.text, add_special_tokens=False)
+        ok += sample_canonical(s, tokenizer, stop_ids)
     return ok / tot if tot else None
 
 
@@ -674,6 +689,11 @@ def summarize(backend: str, wl: str, st: Stats, cfg: Config, tokenizer, stop_ids
              "canonical_ids": tokenizer.encode(s.text, add_special_tokens=False)}
             for s in (st.greedy[:1] + st.samples[:2])
         ],
+        "noncanonical_examples": [
+            {"text": s.text, "token_ids": s.token_ids, "finish": s.finish,
+             "canonical_ids": tokenizer.encode(s.text, add_special_tokens=False)}
+            for s in allout if s.token_ids and not sample_canonical(s, tokenizer, stop_ids)
+        ][:3],
     }
     if wl == "mc":
         in_opt = sum(sum(c) for c in st.mc_counts)

@@ -206,6 +206,23 @@ def test_serving_output_canonical(smollm2_dir):
     assert b.output_canonical([], "Berlin", tok, eos) is None  # the server returned no ids
 
 
+def test_e2e_sample_canonical_leaves_out_a_character_cut_by_max_tokens(smollm2_dir):
+    """An output cut by max_tokens inside a multi-byte character (its text ends in U+FFFD) is judged on its
+    complete characters; the same ids finished by the model, or spelled non-canonically, are not."""
+    from transformers import AutoTokenizer
+
+    b = _bench()
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    full = tok.encode("ok 😀", add_special_tokens=False)
+    cut = full[:-1]
+    assert tok.decode(cut).endswith("\ufffd") and len(full) >= 3
+    assert b.sample_canonical(b.Sample(tok.decode(cut), cut, "length"), tok, set()) is True
+    assert b.sample_canonical(b.Sample(tok.decode(cut), cut, "stop"), tok, set()) is False
+    assert b.sample_canonical(b.Sample("ok 😀", full, "stop"), tok, set()) is True
+    spelled = tok.convert_tokens_to_ids(["B", "e", "r", "l", "in"])
+    assert b.sample_canonical(b.Sample("Berlin", spelled, "length"), tok, set()) is False
+
+
 class _CharTokenizer:
     """Stand-in tokenizer for the row tests: one id per character."""
 
