@@ -19,7 +19,8 @@ runs the same workloads and writes one section (table + PNG plots) into ``docs/b
 * ``json``: the JSON-object schema of paper 001 App. C.4.5 sent as ``structured_outputs.json``.
 
 Per backend and workload: constraint-satisfied rate, canonical-output rate (the returned token ids --
-``"return_token_ids": true`` -- equal the tokenizer's encoding of the returned text), mean completion
+``"return_token_ids": true`` -- equal the tokenizer's encoding of the returned text; an output cut by
+max_tokens inside a multi-byte character is judged on its complete characters), mean completion
 tokens, tokens/s (completion tokens of the sampling requests / their wall time), time to first token of
 the first request with a new constraint (streaming, so it includes compilation), and for fst the share
 of tokens emitted in forced states (server log) and, with jumps, the share of tokens that skipped a
@@ -1916,7 +1917,8 @@ def _write_e2e_report(out_md: Path, data: dict) -> list[str]:
         )
     mism = sum(r.get("prompt_mismatch", 0) for r in rows)
     notes.append(
-        "Canonical outputs: returned `token_ids` (trailing EOS removed) == the tokenizer's encoding of the returned text "
+        "Canonical outputs: returned `token_ids` (trailing EOS removed) == the tokenizer's encoding of the returned text; "
+        "an output cut by max_tokens inside a multi-byte character is judged on its complete characters "
         "(unconstrained sampling at temperature 1 is itself not always canonical, e.g. ` sp` `ark` for ` spark`). "
         "tokens/s: completion tokens of the temperature-1 requests / their wall time (one request at a time, n samples each, "
         f"max n={meta['batch']}); the ratio to unconstrained compares runs whose outputs differ in length (unconstrained "
