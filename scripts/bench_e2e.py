@@ -625,18 +625,9 @@ def strip_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
 
 
 def sample_canonical(s: Sample, tokenizer, stop_ids: set[int]) -> bool:
-    """Whether a sample's ids (trailing EOS removed) are the tokenizer's encoding of its text. An output cut
-    by ``max_tokens`` (finish "length") inside a multi-byte character has no such encoding (its text ends in
-    U+FFFD): its last tokens that do not complete a character are left out of the comparison."""
-    ids = strip_stop(s.token_ids, stop_ids)
-    text = s.text
-    if s.finish == "length":
-        for _ in range(4):  # (a UTF-8 character has at most 4 bytes: at most 3 tokens short of it)
-            if not ids or not tokenizer.decode(ids).endswith("\ufffd"):
-                break
-            ids = ids[:-1]
-        text = tokenizer.decode(ids)
-    return ids == tokenizer.encode(text, add_special_tokens=False)
+    """:func:`output_canonical` of a sample, with its finish reason (an output cut by ``max_tokens`` inside a
+    multi-byte character is judged on its complete characters); a sample left without ids counts as canonical."""
+    return output_canonical(s.token_ids, s.text, tokenizer, stop_ids, finish=s.finish) is not False
 
 
 def canonical_rate(samples: list[Sample], tokenizer, stop_ids: set[int]) -> float | None:
@@ -1173,12 +1164,22 @@ def output_valid(case: ServingCase, text: str) -> bool:
     return jsonschema.Draft202012Validator(case.spec, format_checker=jsonschema.FormatChecker()).is_valid(value)
 
 
-def output_canonical(token_ids: list[int], text: str, tokenizer, stop_ids: set[int]) -> bool | None:
+def output_canonical(token_ids: list[int], text: str, tokenizer, stop_ids: set[int],
+                     finish: str | None = None) -> bool | None:
     """Returned completion ids (trailing EOS removed) == the tokenizer's encoding of the returned text;
-    None when the server returned no ids."""
+    None when the server returned no ids. With ``finish`` "length" (cut by ``max_tokens``): an output cut
+    inside a multi-byte character has no such encoding (its text ends in U+FFFD), so its last tokens that
+    do not complete a character are left out of the comparison."""
     if not token_ids:
         return None
-    return strip_stop(token_ids, stop_ids) == tokenizer.encode(text, add_special_tokens=False)
+    ids = strip_stop(token_ids, stop_ids)
+    if finish == "length":
+        for _ in range(4):  # (a UTF-8 character has at most 4 bytes: at most 3 tokens short of it)
+            if not ids or not tokenizer.decode(ids).endswith("\ufffd"):
+                break
+            ids = ids[:-1]
+        text = tokenizer.decode(ids)
+    return ids == tokenizer.encode(text, add_special_tokens=False)
 
 
 def _pct(xs: list[float], q: float) -> float | None:

@@ -1167,9 +1167,11 @@ class _Analysis:
             nz = np.flatnonzero((np.diff(ptr) > 0) & ~wide)
             if len(nz) and len(self._ent_cls):
                 ent_sum[:, nz] = np.add.reduceat(vc.cls_hash[:, self._ent_cls], ptr[:-1][nz], axis=1)
+        if self._tags is None:
+            self._tag_index()
         mul = np.ones((2, max(self._tag_full, default=0) + 64), dtype=np.uint64)
-        for tag, tab in self._tag_full.items():
-            mul[:, tag] = vc.multipliers(vc.digest_of(tab))
+        for d, tag in self._tags.items():  # (table digest -> tag)
+            mul[:, tag] = vc.multipliers(d)
         self._xk = (vc, gh, ent_sum, wide, mul)
         return self._xk
 
@@ -1285,7 +1287,8 @@ class _Analysis:
             if tag is not None:
                 self.tag[s] = tag
                 return True
-            key = table_digest(table)
+            # (a table the verdict cache shares: its digest is known there)
+            key = self._xk[0].digest_of(table) if self._xk is not None else table_digest(table)
             tag = self._tags.get(key)
             if tag is None:
                 tag = self._tags[key] = len(self._tags) + 1

@@ -282,7 +282,6 @@ class CompileService:
         self._idle: deque[_Worker] = deque()
         self._n_live = 0
         self._n_heavy = 0
-        self._n_slow = 0  # processes held by constraints that are not quick
         self._waiting: list[tuple[int, int, bool]] = []  # (cost, ticket, quick) of the requests waiting
         self._tickets = itertools.count()
         self._cond = threading.Condition()
@@ -310,6 +309,11 @@ class CompileService:
     def quick(self, kind: str, cost: int) -> bool:
         """Whether a constraint of ``kind`` and :func:`cost_hint` ``cost`` is quick (module docstring)."""
         return kind in ("REGEX", "CHOICE") and cost <= self.quick_cost
+
+    @property
+    def _n_slow(self) -> int:
+        """Processes held by constraints that are not quick (each is in ``_running``)."""
+        return len(self._running)
 
     def _young(self, now: float) -> list[float]:
         """Start times of the compiles (not quick) running for less than ``stall_s``."""
@@ -353,7 +357,6 @@ class CompileService:
                 self._waiting.remove(entry)
                 self._cond.notify_all()
             self._n_heavy += heavy
-            self._n_slow += not quick
             if not quick:
                 self._running[entry[1]] = time.monotonic()
             if self._idle:
@@ -367,7 +370,6 @@ class CompileService:
             with self._cond:
                 self._n_live -= 1
                 self._n_heavy -= heavy
-                self._n_slow -= not quick
                 self._running.pop(entry[1], None)
                 self._cond.notify_all()
             raise CompileServiceError(f"cannot start the compile process: {e}") from None
@@ -377,7 +379,6 @@ class CompileService:
     def _release(self, w: _Worker | None, cost: int = 0, quick: bool = False, ticket: int | None = None) -> None:
         with self._cond:
             self._n_heavy -= self._heavy(cost) and not quick
-            self._n_slow -= not quick
             self._running.pop(ticket if ticket is not None else getattr(w, "ticket", None), None)
             if w is not None and w.alive() and not self._closed:
                 self._idle.append(w)

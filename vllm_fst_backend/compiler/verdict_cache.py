@@ -68,15 +68,10 @@ class VerdictCache:
 
     # --- content hashes ------------------------------------------------------------------------------
 
-    @staticmethod
-    def digest(table: np.ndarray) -> bytes:
-        """16-byte BLAKE2b digest of a bad table (:func:`table_digest`)."""
-        return table_digest(table)
-
     def digest_of(self, table: np.ndarray) -> bytes:
-        """:meth:`digest`, looked up for the tables this cache shares (kept alive by it while listed)."""
+        """:func:`table_digest`, looked up for the tables this cache shares (kept alive by it while listed)."""
         d = self._gen[3].get(id(table))
-        return d if d is not None else self.digest(table)
+        return d if d is not None else table_digest(table)
 
     @staticmethod
     def multipliers(digest: bytes) -> tuple[int, int]:
@@ -95,11 +90,6 @@ class VerdictCache:
         vals = self.tok_hash[:, np.asarray(g_toks, dtype=np.int64)]
         out[:, nz] = np.add.reduceat(vals, np.asarray(g_ptr[:-1], dtype=np.int64)[nz], axis=1)
         return out
-
-    def class_sum(self, classes: np.ndarray) -> tuple[int, int]:
-        """The sums (wrapping) of the values of ``classes`` (``int64`` ids)."""
-        s = self.cls_hash[:, classes].sum(axis=1, dtype=np.uint64)
-        return int(s[0]), int(s[1])
 
     # --- lookups -------------------------------------------------------------------------------------
 
@@ -120,14 +110,14 @@ class VerdictCache:
         self.hits += 1
         return True, t
 
-    def put(self, key, table: np.ndarray | None, digest: bytes | None = None) -> np.ndarray | None:
+    def put(self, key, table: np.ndarray | None) -> np.ndarray | None:
         """Store the verdict of ``key``; returns the table to use from now on (the shared read-only copy
         when one with the same content is stored already)."""
         with self._lock:
             verdicts, tables, size, ids = self._gen
             d = None
             if table is not None:
-                d = digest if digest is not None else self.digest_of(table)
+                d = self.digest_of(table)
                 shared = tables.get(d)
                 if shared is None:
                     if size[0] + table.nbytes > self.max_bytes or len(verdicts) >= self.max_entries:
