@@ -580,6 +580,70 @@ def test_compile_time_and_forced_tokens_visible(server, eos_ids):
     assert _delta(after, before, "vllm:spec_decode_num_accepted_tokens_total") > 0
 
 
+# ---- (h) a new constraint compiles while its request prefills ---------------------------------------------------
+
+LONG_PREFACE = "You answer with one JSON object and nothing else. " * 30  # ~330 prompt tokens to prefill
+
+
+def _stream_chat(server, extra: dict, content: str, max_tokens: int = 64):
+    import requests
+
+    body = {"model": server.model, "messages": [{"role": "user", "content": content}], "temperature": 0.0,
+            "max_tokens": max_tokens, "stream": True, **extra}
+    r = requests.post(server.base + "/v1/chat/completions", json=body, timeout=300, stream=True)
+    if r.status_code != 200:
+        return r.status_code, r.json(), ""
+    text = ""
+    for line in r.iter_lines():
+        line = line.decode()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for c in json.loads(line[6:]).get("choices", []):
+                text += (c.get("delta") or {}).get("content") or ""
+    return 200, None, text
+
+
+def test_new_constraint_prefills_while_the_api_server_compiles_it(server, tok, eos_ids):
+    """Requests with new JSON schemas and long prompts enter the engine while the API server compiles their
+    constraints: the engine prefills their prompts meanwhile (``vllm_fst_pending_prefill_tokens_total``),
+    takes the API server's automaton instead of compiling it (``compiled in ... (cache hit)``), and the
+    outputs are valid and canonical, streamed or not; a bad constraint streamed is still an HTTP 400."""
+    import jsonschema
+
+    before = _metrics(server)
+    schemas = [
+        {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 12 + i},
+                                          "count": {"type": "integer", "minimum": 0, "maximum": 50 + i}},
+         "required": [f"field_{i}", "count"], "additionalProperties": False}
+        for i in range(4)
+    ]
+
+    def one(i: int):
+        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}}
+        prompt = LONG_PREFACE + f"Give field_{i} and count."
+        if i % 2:
+            return _stream_chat(server, extra, prompt)
+        return _chat(server, extra, prompt, max_tokens=64)
+
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(one, range(4)))
+    for i, res in enumerate(results):
+        if i % 2:
+            status, _, text = res
+            assert status == 200
+        else:
+            [(text, ids)] = _outputs(res, eos_ids)
+            _assert_canonical(tok, text, ids)
+        jsonschema.validate(json.loads(text), schemas[i])
+    after = _metrics_after(server, before, 4)
+    assert _delta(after, before, "vllm_fst_pending_prefill_tokens_total") > 300
+    assert _delta(after, before, "vllm_fst_validated_requests_total") == 4
+    assert _delta(after, before, "vllm_fst_compile_cache_hits_total") == 4  # the engine compiled none itself
+
+    status, body, _ = _stream_chat(server, {"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 3}}},
+                                   LONG_PREFACE)
+    assert status == 400 and "admits no value" in body["error"]["message"], body
+
+
 def test_server_still_healthy(server):
     import requests
 

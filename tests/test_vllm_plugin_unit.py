@@ -816,3 +816,90 @@ def test_compile_checks_wait_in_their_own_thread_pool():
         return await asyncio.gather(*(context.run_off_loop(barrier.wait) for _ in range(n)))
 
     assert sorted(asyncio.run(main())) == list(range(n))
+
+
+def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_stages, monkeypatch, tmp_path):
+    """A request whose constraint the API server is still compiling (its marker token in ``extra_args``)
+    gets a pending grammar in ``grammar_init``, no compile of its own; the patched scheduler admits it and
+    caps it one token short of its prompt until the grammar is there, then lets it finish; a refused
+    check ends it through ``grammar_compile_error_reqs``; without a live marker nothing changes."""
+    import time as _time
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_fst_backend.vllm import pending
+
+    monkeypatch.setenv("VLLM_FST_DISK_CACHE", "1")
+    monkeypatch.setenv("VLLM_FST_DISK_CACHE_DIR", str(tmp_path))
+    markers = pending.PendingMarkers(pending.pending_dir(tmp_path))
+    submitted = []
+
+    class Pool:
+        def submit(self, fn, *args):
+            submitted.append(args[0].request_id)
+            f = Future()
+            f.set_result(fn(*args))
+            return f
+
+    from concurrent.futures import Future
+
+    mgr = object.__new__(StructuredOutputManager)
+    mgr.backend = None
+    mgr.vllm_config = _vllm_config()
+    mgr.tokenizer = None
+    mgr._use_async_grammar_compilation = True
+    mgr.executor = Pool()
+    sched = types.SimpleNamespace(num_prefill_lookahead=0, block_size=16, connector=None,
+                                  need_mamba_block_aligned_split=False, grammar_compile_error_reqs=set())
+    blocked = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+    def request(rid, regex, token, num_tokens=50):
+        r = _engine_request(rid, regex=regex, extra_args={pending.PENDING_ARG: token} if token else None)
+        r.is_finished = lambda: False
+        r.num_tokens, r.num_computed_tokens, r.status = num_tokens, 0, blocked
+        return r
+
+    def wait_done(r):
+        deadline = _time.monotonic() + 5
+        while not r.structured_output_request._grammar.done():
+            assert _time.monotonic() < deadline
+            _time.sleep(0.005)
+
+    key = bytes(32)
+    token = markers.begin(key)
+    req = request("p1", "ab", token)
+    mgr.grammar_init(req)
+    slot = req.structured_output_request._grammar
+    assert pending.is_pending(slot) and submitted == [] and COMPILE_CALLS == []
+    assert Scheduler._handle_blocked_waiting_request(sched, req) is True and req.status == RequestStatus.WAITING
+    assert Scheduler._reserve_prefill_lookahead(sched, req, 0, 100) == 49  # all but the prompt's last token
+    assert Scheduler._reserve_prefill_lookahead(sched, req, 49, 1) == 0
+    edge = request("p2", "ab", token, num_tokens=33)  # 32 tokens = 2 whole blocks: a cache hit could leave 0
+    mgr.grammar_init(edge)
+    assert Scheduler._handle_blocked_waiting_request(sched, edge) is False and edge.status == blocked
+    fake_stages.compile("ab", options.FstRequestOptions())  # the API server's compile (here: this process's cache)
+    COMPILE_CALLS.clear()
+    markers.end(key, token, refused=False)
+    wait_done(req)
+    assert isinstance(req.structured_output_request.grammar, vbackend.FstGrammar)
+    assert submitted == [] and COMPILE_CALLS == []  # loaded, not compiled
+    assert Scheduler._reserve_prefill_lookahead(sched, req, 49, 1) == 1
+
+    token = markers.begin(key)
+    bad = request("p3", "cd", token)
+    mgr.grammar_init(bad)
+    assert Scheduler._handle_blocked_waiting_request(sched, bad) is True
+    assert Scheduler._reserve_prefill_lookahead(sched, bad, 0, 100) == 49
+    markers.end(key, token, refused=True)  # refused: the API server answers 400 and aborts the request
+    wait_done(bad)
+    assert Scheduler._reserve_prefill_lookahead(sched, bad, 49, 1) == 0
+    assert sched.grammar_compile_error_reqs == {"p3"} and COMPILE_CALLS == []
+    sched.grammar_compile_error_reqs.clear()
+    assert Scheduler._handle_blocked_waiting_request(sched, bad) is False and sched.grammar_compile_error_reqs == {"p3"}
+
+    gone = request("p4", "ef", "0123-dead")  # marker not there (check done, or another host): compiled as before
+    mgr.grammar_init(gone)
+    assert submitted == ["p4"] and isinstance(gone.structured_output_request.grammar, vbackend.FstGrammar)
+    assert Scheduler._reserve_prefill_lookahead(sched, gone, 0, 100) == 100

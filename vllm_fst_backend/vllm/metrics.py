@@ -26,6 +26,7 @@ _METRIC_DEFS = {
     "jump_drafts": ("vllm_fst_jump_draft_tokens_total", "Forced tokens proposed as speculative drafts"),
     "disk_cache_loads": ("vllm_fst_disk_cache_loads_total", "Compiled automata loaded from the host's disk cache instead of compiled"),
     "fallback": ("vllm_fst_fallback_requests_total", "Requests routed to the fallback backend, by constraint kind"),
+    "pending_prefill_tokens": ("vllm_fst_pending_prefill_tokens_total", "Prompt tokens prefilled while the API server still compiled the request's constraint"),
     "precheck_seconds": ("vllm_fst_precheck_seconds_total", "Seconds API-server requests waited for the isolated check"),
 }
 _METRIC_LABELS = {"fallback": ("kind",)}

@@ -3,16 +3,17 @@ undoes them). Why each exists: ``docs/vllm-integration.md``."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from typing import Any, Callable
 
 from . import BACKEND_NAME
 from . import context as _context
-from . import validation
+from . import pending, validation
 from .backend import FstBackend, adopt_fallback_route
 from .constraints import legacy_guided_to_structured_outputs
-from .metrics import logger
+from .metrics import logger, metric_inc
 from .options import FALSE_WORDS, TRUE_WORDS, env_flag
 
 _PATCHES: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) for uninstall()
@@ -124,6 +125,10 @@ def _patch_manager(manager_cls: Any = None) -> None:
                     # already compiled (the API server's check stored it on the host): load it here, ~1 ms,
                     # ready for the next schedule; a compile goes to vLLM's grammar thread pool below
                     grammar = self.backend.cached_vllm_grammar(request)
+                    if grammar is None:
+                        # the API server is still compiling it: wait for its automaton (the request
+                        # prefills meanwhile, _patch_scheduler) instead of compiling it a second time
+                        grammar = _pending_grammar(self, request)
                     if grammar is not None:
                         request.structured_output_request.grammar = grammar
                         return None
@@ -146,6 +151,27 @@ def _patch_manager(manager_cls: Any = None) -> None:
     _wrap(manager_cls, "__init__", make_init)
     _wrap(manager_cls, "grammar_init", make_grammar_init)
     _wrap(manager_cls, "_create_grammar", make_create)
+
+
+def _pending_grammar(manager: Any, request: Any) -> Any:
+    """A :class:`pending.PendingGrammar` for a request whose constraint the API server is still compiling
+    (its marker is live), resolved from the host's disk cache when the marker goes, or None."""
+    token = pending.request_token(request.sampling_params)
+    directory = pending.cache_marker_dir() if token is not None else None
+    if directory is None:
+        return None
+    deadline_s = pending.marker_deadline_s()
+    if pending.marker_state(directory, token, deadline_s) != "pending":
+        return None
+    executor = getattr(manager, "executor", None)
+    if executor is None:
+        return None
+    return pending.WATCHER.watch(
+        directory, token, deadline_s,
+        load=lambda: manager.backend.cached_vllm_grammar(request),
+        compile_async=lambda: executor.submit(manager._create_grammar, request),
+        finished=request.is_finished,
+    )
 
 
 def _patch_input_processor() -> None:
@@ -302,10 +328,12 @@ def legacy_mapping_active() -> bool:
 
 def _patch_serving_precheck() -> None:
     """Wrap ``OpenAIServingChat.create_chat_completion`` and ``OpenAIServingCompletion.create_completion``
-    (vLLM 0.32; async, before the request is rendered and enters the engine) to await
-    :func:`validation.aprecheck`: the compile check runs out of the event loop, and its failure is
-    vLLM's own 400 ``ErrorResponse`` -- also for streamed requests, whose engine-side errors would
-    arrive after the 200 headers."""
+    (vLLM 0.32; async, before the request is rendered and enters the engine) with the compile check
+    (:func:`validation.run_precheck`, out of the event loop); its failure is vLLM's own 400
+    ``ErrorResponse``, also for streamed requests, whose engine-side errors would arrive after the 200
+    headers. A new constraint's request enters the engine while its check runs (``pending.py``): the
+    response (a streamed request's first chunk) is held until the check's verdict; a refused check
+    cancels the request (vLLM aborts it) and answers 400, or sends it again to the fallback."""
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
@@ -313,12 +341,37 @@ def _patch_serving_precheck() -> None:
 
     def make(orig):
         async def handler(self, request, raw_request=None, *args, **kwargs):
-            if _context.SERVED.get("backend") == BACKEND_NAME:
+            def call():
+                return orig(self, request, raw_request, *args, **kwargs)
+
+            if _context.SERVED.get("backend") != BACKEND_NAME:
+                return await call()
+            plan = validation.plan_precheck(request)
+            if plan is None:
+                return await call()
+            markers = pending.markers() if pending.overlap_enabled() else None
+            token = markers.begin(plan.key) if markers is not None else None
+            if token is None:  # no overlap: the check first, then the request
                 try:
-                    await validation.aprecheck(request, self.model_config)
+                    await validation.run_precheck(plan, self.model_config)
                 except (VLLMClientError, GracefulHTTPError) as e:
                     return create_error_response(e)
-            return await orig(self, request, raw_request, *args, **kwargs)
+                return await call()
+            run = asyncio.ensure_future(pending.first_output(call()))
+            try:
+                served = await validation.run_precheck(plan, self.model_config)
+            except BaseException as e:
+                markers.end(plan.key, token, refused=True)
+                await pending.cancel_output(run)
+                if isinstance(e, (VLLMClientError, GracefulHTTPError)):
+                    return create_error_response(e)
+                raise
+            markers.end(plan.key, token, refused=not served)
+            if not served:  # unsupported or over the budget: the fallback serves it (the sync hook routes it)
+                await pending.cancel_output(run)
+                validation.reset_route(request)
+                return await call()
+            return pending.joined(await run)
 
         return handler
 
@@ -326,8 +379,84 @@ def _patch_serving_precheck() -> None:
     _wrap(OpenAIServingCompletion, "create_completion", make)
 
 
+def _patch_scheduler() -> None:
+    """Let a request whose grammar is a :class:`pending.PendingGrammar` (the API server is compiling its
+    constraint) prefill all of its prompt but the last token; the last one, whose output is sampled under
+    the grammar's bitmask, waits for the grammar. vLLM 0.32's ``Scheduler``: ``_handle_blocked_waiting_request``
+    (admission of a waiting request) and ``_reserve_prefill_lookahead`` (the last cap on a request's
+    new tokens this step, waiting and running requests alike). A grammar that fails after the request
+    started ends it like vLLM's own failed compiles (``grammar_compile_error_reqs``)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    for name in ("_handle_blocked_waiting_request", "_reserve_prefill_lookahead"):
+        if not callable(getattr(Scheduler, name, None)):
+            raise RuntimeError(f"vLLM's Scheduler has no {name}: no prefill while a constraint compiles")
+    blocked = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+    def failed(sched, request, slot) -> bool:
+        """A grammar that failed after the request was let in (only this path lets a request in with its
+        grammar unresolved): end the request as vLLM ends its failed compiles."""
+        if type(slot) is pending.PendingGrammar:
+            slot = request.structured_output_request.grammar  # the property resolves the done future
+        if not isinstance(slot, Exception):
+            return False
+        sched.grammar_compile_error_reqs.add(request.request_id)
+        return True
+
+    def make_admit(orig):
+        def _handle_blocked_waiting_request(self, request):
+            so = request.structured_output_request
+            slot = getattr(so, "_grammar", None) if so is not None else None
+            if pending.is_pending(slot):
+                if request.status == RequestStatus.PREEMPTED:  # keeps its status: it resumes
+                    return _may_prefill(self, request)
+                if _may_prefill(self, request):
+                    request.status = RequestStatus.WAITING  # admitted (vLLM admits WAITING or PREEMPTED)
+                    return True
+                request.status = blocked
+                return False
+            if request.status != blocked and failed(self, request, slot):
+                return False
+            return orig(self, request)
+
+        return _handle_blocked_waiting_request
+
+    def make_cap(orig):
+        def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+            n = orig(self, request, num_computed_tokens, num_new_tokens)
+            so = request.structured_output_request
+            if so is None or n <= 0:
+                return n
+            slot = getattr(so, "_grammar", None)
+            if pending.is_pending(slot):
+                n = max(0, min(n, request.num_tokens - 1 - num_computed_tokens))
+                if n:
+                    metric_inc("pending_prefill_tokens", n)
+                return n
+            return 0 if failed(self, request, slot) else n
+
+        return _reserve_prefill_lookahead
+
+    _wrap(Scheduler, "_handle_blocked_waiting_request", make_admit)
+    _wrap(Scheduler, "_reserve_prefill_lookahead", make_cap)
+
+
+def _may_prefill(sched: Any, request: Any) -> bool:
+    """Whether a request may start its prefill before its grammar: only where capping it one token short
+    of its prompt cannot leave it nothing to schedule (vLLM then stops admitting requests for the step): a
+    prefix-cache hit covers whole blocks, at most ``num_tokens - 1`` tokens, so with ``num_tokens - 1`` not
+    a multiple of the block size at least one token remains; no KV connector (its hits are arbitrary), no
+    hybrid-model alignment."""
+    bs = getattr(sched, "block_size", None)
+    if not bs or getattr(sched, "connector", None) is not None or getattr(sched, "need_mamba_block_aligned_split", False):
+        return False
+    n = request.num_tokens - 1
+    return n > request.num_computed_tokens and n % bs != 0
+
+
 CORE_PATCHES = (_patch_config_literal, _patch_sampling_params, _patch_manager)
-OPTIONAL_PATCHES = (_patch_input_processor, _patch_protocol, _patch_beam_search, _patch_serving_precheck)
+OPTIONAL_PATCHES = (_patch_input_processor, _patch_protocol, _patch_beam_search, _patch_serving_precheck, _patch_scheduler)
 
 
 def install() -> None:

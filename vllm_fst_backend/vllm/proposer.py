@@ -14,6 +14,7 @@ from vllm_fst_backend.errors import InvalidOptionError
 
 from . import BACKEND_NAME
 from . import context as _context
+from . import pending
 from .constraints import params_to_regex
 from .metrics import logger, metric_inc
 from .options import FstRequestOptions, parse_request_options
@@ -169,6 +170,11 @@ class FstForcedTokenProposer:
             if ctx is None:
                 raise RuntimeError(f"no tokenizer artifacts ({self._context_error})")
             _, regex = params_to_regex(so)
+            token = pending.request_token(sp)
+            directory = pending.cache_marker_dir() if token is not None else None
+            if directory is not None:  # the API server still compiles it: take its automaton, not a compile
+                if pending.wait_for_marker(directory, token, pending.marker_deadline_s()) == "refused":
+                    raise pending.CompileRefused("fst: the API server's compile check refused this constraint")
             return _context.matcher_factory(ctx.compile(regex, options).compiled)
 
         return _JumpState(future=self._executor.submit(build))

@@ -14,6 +14,7 @@ Errors: ``VLLMValidationError`` (HTTP 400) or :func:`server_error` (a 500 that k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import threading
@@ -33,7 +34,7 @@ from vllm_fst_backend.errors import (
 
 from . import BACKEND_NAME
 from . import context as _context
-from . import fallback
+from . import fallback, pending
 from .constraints import InvalidConstraintError, check_input_limits, constraint_to_regex, params_kind
 from .metrics import logger, metric_inc
 from .options import env_flag, fst_keys, parse_request_options
@@ -161,7 +162,8 @@ def validate_structured_outputs(params: Any, orig: Any, model_config: Any, so_co
     except (InvalidConstraintError, InputTooLargeError) as e:
         raise validation_error(f"fst: {e}", parameter="structured_outputs") from None
     ws = getattr(so, "whitespace_pattern", None)
-    found, verdict = PRECHECKS.get(PrecheckResults.key(kind, spec, ws, options))
+    key = PrecheckResults.key(kind, spec, ws, options)
+    found, verdict = PRECHECKS.get(key)
     if fallback.needs_fallback(kind, verdict):
         return _validate_fallback(params, orig, model_config, so_config, tokenizer, kind, verdict)
     try:
@@ -169,6 +171,7 @@ def validate_structured_outputs(params: Any, orig: Any, model_config: Any, so_co
     except GenericChecksDone:
         pass
     so._backend = BACKEND_NAME
+    _mark_pending(params, key)
     if options.jump:
         _warn_jump_without_proposer()
     if found or _on_event_loop() or not env_flag("VLLM_FST_VALIDATE_COMPILE", True):
@@ -177,6 +180,17 @@ def validate_structured_outputs(params: Any, orig: Any, model_config: Any, so_co
     if verdict is not None:  # offline LLM: an unsupported schema routes here
         so._backend = None
         _validate_fallback(params, orig, model_config, so_config, tokenizer, kind, verdict)
+
+
+def _mark_pending(params: Any, key: bytes) -> None:
+    """Tell the engine that this API server is still compiling the request's constraint: the token of
+    its marker (``pending.py``) goes into ``extra_args``, so that the engine waits for the automaton
+    (and prefills meanwhile) instead of compiling it too."""
+    markers = pending.markers() if pending.overlap_enabled() else None
+    token = markers.token_for(key) if markers is not None else None
+    if token is not None:
+        extra = params.extra_args if isinstance(params.extra_args, dict) else {}
+        params.extra_args = {**extra, pending.PENDING_ARG: token}
 
 
 def _validate_fallback(params, orig, model_config, so_config, tokenizer, kind, error) -> None:
@@ -265,43 +279,88 @@ def _warn_jump_without_proposer() -> None:
 # ---- the async precheck (chat / completion handlers) ----------------------------------------------
 
 
-async def aprecheck(request: Any, model_config: Any) -> None:
-    """Check the constraint of an OpenAI ``request`` (``ChatCompletionRequest`` / ``CompletionRequest``)
-    before it enters the engine: JSON schema conversion + compile, awaited off the event loop (the
-    isolated compile process of :func:`context.get_checker`). Requests the sync hook answers by itself
-    (bad options, over an input limit, grammar / structural_tag, no constraint) pass untouched.
+@dataclasses.dataclass(frozen=True)
+class PrecheckPlan:
+    """What :func:`run_precheck` compiles for one request: the constraint and its :data:`PRECHECKS` key."""
 
-    Raises:
-        VLLMValidationError: bad constraint, over a compile budget, empty language (HTTP 400).
-        FstServerError: artifacts missing or the checker unavailable (HTTP 500 with the message).
-    """
+    key: bytes
+    kind: str
+    spec: Any
+    whitespace_pattern: str | None
+    options: Any
+
+
+def plan_precheck(request: Any) -> PrecheckPlan | None:
+    """The compile check an OpenAI ``request`` (``ChatCompletionRequest`` / ``CompletionRequest``) needs
+    before its constraint is served, or None: no constraint, the check is off
+    (``VLLM_FST_VALIDATE_COMPILE=0``), a verdict is known (:data:`PRECHECKS`; a budget verdict is checked
+    again: it depends on the load), or the sync hook answers the request by itself (bad options, over an
+    input limit, grammar / structural_tag). Cheap: option parsing and a hash of the constraint."""
     so = request.extract_structured_outputs()
     if so is None or not env_flag("VLLM_FST_VALIDATE_COMPILE", True):
-        return
+        return None
     try:
         options = parse_request_options(getattr(request, "vllm_xargs", None))
         kind, spec = params_kind(so)
         check_input_limits(kind, spec)
     except (FstBackendError, TypeError):
-        return  # the sync hook answers these (400) with vLLM's generic checks first
+        return None  # the sync hook answers these (400) with vLLM's generic checks first
     if kind in fallback.FALLBACK_KINDS:
-        return
+        return None
     ws = getattr(so, "whitespace_pattern", None)
     key = PrecheckResults.key(kind, spec, ws, options)
     found, verdict = PRECHECKS.get(key)
-    if found and not isinstance(verdict, CompileBudgetError):  # a budget verdict depends on the load: retry
-        return
+    if found and not isinstance(verdict, CompileBudgetError):
+        return None
+    return PrecheckPlan(key, kind, spec, ws, options)
+
+
+async def run_precheck(plan: PrecheckPlan, model_config: Any) -> bool:
+    """JSON schema conversion + compile of ``plan`` in the isolated compile process (awaited off the event
+    loop, :func:`context.get_checker`); the verdict goes to :data:`PRECHECKS`. Returns True when fst
+    serves the constraint, False when it goes to the fallback (unsupported schema, over the budget).
+
+    Raises:
+        VLLMValidationError: bad constraint, empty language (HTTP 400).
+        FstServerError: artifacts missing or the checker unavailable (HTTP 500 with the message).
+    """
     budget_s = _compile_budget()
     t0 = time.monotonic()
     try:
         checker = await _context.run_off_loop(_context.get_checker, model_config)  # may start processes
-        await checker.acheck(kind, spec, whitespace_pattern=ws, options=options, budget_s=budget_s)
+        await checker.acheck(plan.kind, plan.spec, whitespace_pattern=plan.whitespace_pattern,
+                             options=plan.options, budget_s=budget_s)
     except (UnsupportedSchemaError, CompileBudgetError) as e:
-        PRECHECKS.put(key, e)  # the sync hook routes it to the fallback (or answers 400 with "none")
-        return
+        PRECHECKS.put(plan.key, e)  # the sync hook routes it to the fallback (or answers 400 with "none")
+        return False
     except (FstBackendError, ImportError) as e:
-        _raise_compile_error(kind, e)
+        _raise_compile_error(plan.kind, e)
     finally:
         metric_inc("precheck_seconds", time.monotonic() - t0)
     metric_inc("validated")
-    PRECHECKS.put(key, None)
+    PRECHECKS.put(plan.key, None)
+    return True
+
+
+def reset_route(request: Any) -> None:
+    """Undo what a first pass through vLLM's validation wrote into an OpenAI request's
+    ``structured_outputs`` (the backend it chose), so that the request can be submitted again and routed
+    anew (to the fallback, after an overlapped check refused it for fst)."""
+    so = getattr(request, "structured_outputs", None)
+    if so is not None and hasattr(so, "_backend"):
+        so._backend = None
+        if hasattr(so, "_backend_was_auto"):
+            so._backend_was_auto = False
+
+
+async def aprecheck(request: Any, model_config: Any) -> None:
+    """:func:`plan_precheck` then :func:`run_precheck`, awaited before a request enters the engine (the
+    handlers' path when a request may not overlap its check: see ``patches._patch_serving_precheck``).
+
+    Raises:
+        VLLMValidationError: bad constraint, over a compile budget, empty language (HTTP 400).
+        FstServerError: artifacts missing or the checker unavailable (HTTP 500 with the message).
+    """
+    plan = plan_precheck(request)
+    if plan is not None:
+        await run_precheck(plan, model_config)
