@@ -142,6 +142,9 @@ def test_wrapped_functions_keep_the_signatures_our_wrappers_call():
          "BeamSearchOfflineMixin._init_beam_search_structured_output"): ["self", "structured_outputs", "tokenizer"],
         ("vllm/v1/sample/rejection_sampler.py", "expand_batch_to_tokens"):
             ["x", "cu_num_tokens", "num_tokens", "replace_from=0", "replace_to=0"],
+        ("vllm/v1/core/sched/scheduler.py", "Scheduler._handle_blocked_waiting_request"): ["self", "request"],
+        ("vllm/v1/core/sched/scheduler.py", "Scheduler._reserve_prefill_lookahead"):
+            ["self", "request", "num_computed_tokens", "num_new_tokens"],
     }
     for (path, qualname), expected in cases.items():
         assert params(def_node(excerpt(path, qualname))) == expected, qualname
@@ -637,3 +640,32 @@ def test_033_error_response_keeps_fst_statuses_and_messages():
         assert err.error.code == 500 and "no artifacts" in err.error.message
     finally:
         sys.modules.pop("vllm.entrypoints.serve.exception_handling._error_response_033", None)
+
+
+@needs_vllm
+def test_033_scheduler_ends_a_failed_pending_grammar_with_a_request_error():
+    """0.33 keeps ``grammar_compile_error_reqs`` as request id -> ``RequestError`` (0.32: a set); the
+    prefill-while-compiling patch writes either. Its waiting branch still holds a request whose grammar
+    is None (an unresolved future), so without the patch a pending grammar simply waits."""
+    from concurrent.futures import Future
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output.request import StructuredOutputRequest
+
+    from vllm_fst_backend.vllm import pending
+
+    blocked = excerpt("vllm/v1/core/sched/scheduler.py", "Scheduler._handle_blocked_waiting_request")
+    assert "if not struct_output_req or struct_output_req.grammar is None:" in blocked
+    assert "self.grammar_compile_error_reqs[request.request_id] = RequestError(" in blocked
+    fstv.register()
+    so = object.__new__(StructuredOutputRequest)
+    fut = pending.PendingGrammar()
+    so._grammar = fut
+    fut.set_exception(pending.CompileRefused("refused"))
+    req = types.SimpleNamespace(request_id="r", structured_output_request=so, num_tokens=50,
+                                num_computed_tokens=0, status=None)
+    sched = types.SimpleNamespace(num_prefill_lookahead=0, block_size=16, connector=None,
+                                  need_mamba_block_aligned_split=False, grammar_compile_error_reqs={})
+    assert Scheduler._reserve_prefill_lookahead(sched, req, 10, 5) == 0
+    err = sched.grammar_compile_error_reqs["r"]
+    assert err.code == "validation_error" and "refused" in err.message

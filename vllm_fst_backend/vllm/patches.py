@@ -401,7 +401,14 @@ def _patch_scheduler() -> None:
             slot = request.structured_output_request.grammar  # the property resolves the done future
         if not isinstance(slot, Exception):
             return False
-        sched.grammar_compile_error_reqs.add(request.request_id)
+        errors = sched.grammar_compile_error_reqs
+        if isinstance(errors, dict):  # vLLM 0.33: request id -> RequestError (an HTTP 400 with the message)
+            from vllm.outputs import RequestError
+
+            errors[request.request_id] = RequestError(code="validation_error",
+                                                      message=f"Invalid structured outputs: {slot}")
+        else:
+            errors.add(request.request_id)
         return True
 
     def make_admit(orig):

@@ -61,6 +61,7 @@ EXCERPTS = [
     ("vllm/config/speculative.py", "SpeculativeMethod"),
     ("vllm/config/vllm.py", "VllmConfig._get_v2_model_runner_unsupported_features"),
     ("vllm/v1/core/sched/scheduler.py", "Scheduler._handle_blocked_waiting_request"),
+    ("vllm/v1/core/sched/scheduler.py", "Scheduler._reserve_prefill_lookahead"),
     ("vllm/v1/engine/core.py", "EngineCore.preprocess_add_request"),
     ("vllm/v1/engine/core.py", "EngineCoreProc._handle_request_validation_error"),
     ("vllm/outputs.py", "RequestError"),
