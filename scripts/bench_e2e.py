@@ -1319,6 +1319,7 @@ def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict
     ttft = [1e3 * r["ttft"] for _, r in ok]
     lat = [1e3 * r["latency"] for _, r in ok]
     tokens = sum(r["completion_tokens"] or 0 for _, r in ok)
+    chars = sum(len(r["text"] or "") for _, r in ok)
     bad = []
     for (c, r), v in zip(ok, valid):
         cn = output_canonical(r["token_ids"], r["text"], tokenizer, stop_ids)
@@ -1342,6 +1343,7 @@ def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict
         "wall_s": wall,
         "completion_tokens": tokens,
         "tok_s": tokens / wall if wall > 0 and ok else None,
+        "chars_s": chars / wall if wall > 0 and ok else None,
         "mean_tokens": tokens / len(ok) if ok else None,
         "capped": sum(r["finish"] == "length" for _, r in ok),
         "health_max_ms": 1e3 * max(htimes) if htimes else None,
@@ -1383,7 +1385,7 @@ def _merge_rounds(rs: list[dict]) -> dict:
     if len(rs) == 1:
         return rs[0]
     out = dict(rs[0])
-    for k in ("ttft_p50_ms", "ttft_p90_ms", "tok_s", "wall_s"):
+    for k in ("ttft_p50_ms", "ttft_p90_ms", "tok_s", "chars_s", "wall_s"):
         vals = [r[k] for r in rs if r.get(k) is not None]
         out[k] = _pct(vals, 50) if vals else None
     hs = [r["health_max_ms"] for r in rs if r.get("health_max_ms") is not None]
@@ -1402,7 +1404,7 @@ def _merge_rounds(rs: list[dict]) -> dict:
 def render_serving_table(rows: list[dict]) -> str:
     head = (
         "| backend | requests × concurrency | ok / failed | TTFT p50 / p90 ms | latency p50 / p90 ms | completion tokens/s "
-        "| batch wall s | mean completion tokens | hit max_tokens | worst /health ms | constraint satisfied | canonical outputs |"
+        "| completion characters/s | batch wall s | mean completion tokens | hit max_tokens | worst /health ms | constraint satisfied | canonical outputs |"
     )
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
@@ -1413,6 +1415,7 @@ def render_serving_table(rows: list[dict]) -> str:
             f"{_fmt(r.get('ttft_p50_ms'), 'd')} / {_fmt(r.get('ttft_p90_ms'), 'd')}",
             f"{_fmt(r.get('lat_p50_ms'), 'd')} / {_fmt(r.get('lat_p90_ms'), 'd')}",
             _fmt(r.get("tok_s"), "f", 1),
+            _fmt(r.get("chars_s"), "d"),
             _fmt(r.get("wall_s"), "f", 2),
             _fmt(r.get("mean_tokens"), "f", 1),
             f"{r.get('capped', 0)}" if r["ok"] else "–",
@@ -1451,7 +1454,10 @@ def serving_targets(rows: list[dict]) -> list[str]:
                     out.append(f"- {tag}: {what} ≤ {lim:.1f}× xgrammar: not measured — NOT met.")
             if x and f.get("tok_s") and x.get("tok_s"):
                 ratio = f["tok_s"] / x["tok_s"]
-                out.append(f"- {tag}: tokens/s ≥ 1.0× xgrammar: {ratio:.2f}× ({f['tok_s']:.1f} vs {x['tok_s']:.1f}) — {mark(ratio >= 1.0)}.")
+                ctx = ""
+                if f.get("chars_s") and x.get("chars_s"):
+                    ctx = f"; characters/s {f['chars_s'] / x['chars_s']:.2f}× ({f['chars_s']:.0f} vs {x['chars_s']:.0f})"
+                out.append(f"- {tag}: tokens/s ≥ 1.0× xgrammar: {ratio:.2f}× ({f['tok_s']:.1f} vs {x['tok_s']:.1f}{ctx}) — {mark(ratio >= 1.0)}.")
             else:
                 out.append(f"- {tag}: tokens/s ≥ 1.0× xgrammar: not measured — NOT met.")
             h, he = f.get("health_max_ms"), f.get("health_errors", 0)
@@ -1540,7 +1546,8 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
         "requests in flight); latency: sent → end of stream; tokens/s: completion tokens (`usage`, "
         "`stream_options.include_usage`) of all requests / wall time of the whole batch (column \"batch wall s\": the "
         "backends' outputs differ in text and in length, a non-canonical path often spells a text in more tokens, so "
-        "tokens/s and the batch's wall time can rank backends differently); worst /health: slowest "
+        "tokens/s and the batch's wall time can rank backends differently; characters/s: the outputs' characters / "
+        "the same wall time, a measure that does not depend on how many tokens spell a text); worst /health: slowest "
         "`GET /health` answer while the batch ran (polled every 20 ms over its own connection by the same client "
         "process); constraint satisfied: `re.fullmatch`, or `json.loads` + `Draft202012Validator` with `FormatChecker` "
         "(outputs cut by max_tokens count as unsatisfied: column \"hit max_tokens\"); canonical: the streamed "

@@ -266,6 +266,8 @@ def test_serving_summary_row():
     assert f["health_max_ms"] == pytest.approx(30.0) and f["health_polls"] == 3
     tokens = sum(len(r) for r in ('{"city": "Oslo", "unit": "celsius"}', '{"city": "Rome"}', "2026", "ABC"))
     assert f["completion_tokens"] == tokens and f["tok_s"] == pytest.approx(tokens / 2.0)
+    assert f["chars_s"] == pytest.approx(tokens / 2.0)  # one character per token here
+    assert x["chars_s"] == pytest.approx(len('{"city": "Oslo", "unit": "celsius"}{"city": "Ro2026') / 2.0)
     assert f["json_requests"] == 2 and f["regex_requests"] == 2
     assert x["ok"] == 3 and x["failed"] == 1 and x["errors"] == ["HTTP 400: bad regex"]
     assert x["valid"] == pytest.approx(2 / 3) and x["canonical"] == pytest.approx(2 / 3) and x["capped"] == 1
@@ -295,6 +297,7 @@ def test_serving_report_and_section(tmp_path):
     assert "fst @ 4 × 2: TTFT p50 ≤ 1.0× xgrammar: 1.25×" in text and "NOT met" in tgt[0]
     assert tgt[1].endswith("— met.") and "1.32×" in tgt[1]
     assert any("tokens/s ≥ 1.0× xgrammar" in t and t.endswith("— met.") for t in tgt)
+    assert any("; characters/s " in t and "tokens/s ≥" in t for t in tgt)
     assert any("worst /health ≤ 50 ms: 30.0 ms (xgrammar 1.0 ms) — met." in t for t in tgt)
     assert any("100 % valid and canonical: valid 100.0 %, canonical 100.0 % (4 of 4 outputs with ids), 0 failed — met." in t for t in tgt)
     assert sum("fst @ 64 × 32" in t for t in tgt) == 5

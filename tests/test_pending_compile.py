@@ -165,3 +165,14 @@ def test_held_first_output_then_the_rest_or_cancelled():
         assert closed == [True]
 
     asyncio.run(main())
+
+
+def test_only_constraints_that_take_a_while_overlap_their_compile():
+    """A quick constraint (short regex or choice list: a few ms of compile) is compiled before its request
+    enters the engine; overlapping it would only cost the request a step. JSON schemas and long regexes
+    overlap."""
+    assert not pending.worth_overlapping("REGEX", r"\d{4}-\d{2}-\d{2}")
+    assert not pending.worth_overlapping("CHOICE", ["yes", "no"])
+    assert pending.worth_overlapping("JSON", {"type": "object", "properties": {"a": {"type": "string"}}})
+    assert pending.worth_overlapping("JSON_OBJECT", None)
+    assert pending.worth_overlapping("REGEX", "[a-z]{1,400}")  # 20 per unit of bounded repetition

@@ -349,7 +349,8 @@ def _patch_serving_precheck() -> None:
             plan = validation.plan_precheck(request)
             if plan is None:
                 return await call()
-            markers = pending.markers() if pending.overlap_enabled() else None
+            overlap = pending.overlap_enabled() and pending.worth_overlapping(plan.kind, plan.spec)
+            markers = pending.markers() if overlap else None
             token = markers.begin(plan.key) if markers is not None else None
             if token is None:  # no overlap: the check first, then the request
                 try:

@@ -310,6 +310,16 @@ def overlap_enabled() -> bool:
     return env_flag("VLLM_FST_OVERLAP_COMPILE", True)
 
 
+def worth_overlapping(kind: str, spec: Any) -> bool:
+    """Whether a constraint's request should enter the engine before its compile ends: not for a quick
+    one (a short regex or choice list, ``compiler.service`` "quick": a few ms of compile), which is
+    compiled before the engine's next step could start its prefill; overlapping it would only cost the
+    request one more step (its prompt's last token, computed once the grammar is there)."""
+    from vllm_fst_backend.compiler.service import QUICK_COST, cost_hint
+
+    return not (kind in ("REGEX", "CHOICE") and cost_hint(kind, spec) <= QUICK_COST)
+
+
 def markers() -> PendingMarkers | None:
     """This API server's markers under the host's disk cache directory, or None when the disk cache is
     off (then nothing is overlapped: the engine could not load the automaton the check compiles)."""
