@@ -609,9 +609,15 @@ def test_new_constraint_prefills_while_the_api_server_compiles_it(server, tok, e
     outputs are valid and canonical, streamed or not; a bad constraint streamed is still an HTTP 400."""
     import jsonschema
 
+    _chat(server, {"structured_outputs": {"regex": "(yes|no)"}}, "Ready?")  # the request path warmed up
     before = _metrics(server)
+    # bounded strings unroll into automaton states: each schema compiles for tens of ms, and the four
+    # compiles queue in the API server's compile processes, so the later requests reach the engine long
+    # before their automata exist (a request whose compile ends before its prompt is rendered does not
+    # overlap anything)
     schemas = [
         {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 12 + i},
+                                          "note": {"type": "string", "maxLength": 200 + i},
                                           "count": {"type": "integer", "minimum": 0, "maximum": 50 + i}},
          "required": [f"field_{i}", "count"], "additionalProperties": False}
         for i in range(4)
@@ -619,25 +625,32 @@ def test_new_constraint_prefills_while_the_api_server_compiles_it(server, tok, e
 
     def one(i: int):
         extra = {"response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}}
-        prompt = LONG_PREFACE + f"Give field_{i} and count."
-        if i % 2:
+        prompt = f"Request {i} of 4. " + LONG_PREFACE + f"Give field_{i} and count."  # no shared prefix
+        if i == 1:
             return _stream_chat(server, extra, prompt)
+        if i == 3:  # the completions endpoint, two samples
+            return _completion(server, {"structured_outputs": {"json": schemas[i]}}, prompt + "\n", max_tokens=64,
+                               temperature=1.0, n=2)
         return _chat(server, extra, prompt, max_tokens=64)
 
     with ThreadPoolExecutor(4) as ex:
         results = list(ex.map(one, range(4)))
     for i, res in enumerate(results):
-        if i % 2:
+        if i == 1:
             status, _, text = res
             assert status == 200
+            outs = [(text, None)]
         else:
-            [(text, ids)] = _outputs(res, eos_ids)
-            _assert_canonical(tok, text, ids)
-        jsonschema.validate(json.loads(text), schemas[i])
-    after = _metrics_after(server, before, 4)
+            outs = _outputs(res, eos_ids)
+            assert len(outs) == (2 if i == 3 else 1)
+        for text, ids in outs:
+            if ids is not None:
+                _assert_canonical(tok, text, ids)
+            jsonschema.validate(json.loads(text), schemas[i])
+    after = _metrics_after(server, before, 5)
     assert _delta(after, before, "vllm_fst_pending_prefill_tokens_total") > 300
     assert _delta(after, before, "vllm_fst_validated_requests_total") == 4
-    assert _delta(after, before, "vllm_fst_compile_cache_hits_total") == 4  # the engine compiled none itself
+    assert _delta(after, before, "vllm_fst_compile_cache_hits_total") == 5  # the engine compiled none itself
 
     status, body, _ = _stream_chat(server, {"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 3}}},
                                    LONG_PREFACE)

@@ -877,8 +877,22 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     assert Scheduler._reserve_prefill_lookahead(sched, req, 0, 100) == 49  # all but the prompt's last token
     assert Scheduler._reserve_prefill_lookahead(sched, req, 49, 1) == 0
     edge = request("p2", "ab", token, num_tokens=33)  # 32 tokens = 2 whole blocks: a cache hit could leave 0
+    edge.block_hashes = ["h1", "h2"]
     mgr.grammar_init(edge)
-    assert Scheduler._handle_blocked_waiting_request(sched, edge) is False and edge.status == blocked
+    hits = {"n": 32}
+
+    class Coordinator:
+        def find_longest_cache_hit(self, block_hashes, max_length):
+            assert block_hashes == ["h1", "h2"] and max_length == 32
+            return (), hits["n"], 0
+
+    sched.kv_cache_manager = types.SimpleNamespace(coordinator=Coordinator(), prefix_cache_lookup_enabled=lambda r: True)
+    assert Scheduler._handle_blocked_waiting_request(sched, edge) is False and edge.status == blocked  # all cached
+    hits["n"] = 16
+    assert Scheduler._handle_blocked_waiting_request(sched, edge) is True and edge.status == RequestStatus.WAITING
+    del sched.kv_cache_manager
+    edge.status = blocked
+    assert Scheduler._handle_blocked_waiting_request(sched, edge) is False and edge.status == blocked  # unknown: wait
     fake_stages.compile("ab", options.FstRequestOptions())  # the API server's compile (here: this process's cache)
     COMPILE_CALLS.clear()
     markers.end(key, token, refused=False)

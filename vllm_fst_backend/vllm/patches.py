@@ -454,13 +454,25 @@ def _may_prefill(sched: Any, request: Any) -> bool:
     """Whether a request may start its prefill before its grammar: only where capping it one token short
     of its prompt cannot leave it nothing to schedule (vLLM then stops admitting requests for the step): a
     prefix-cache hit covers whole blocks, at most ``num_tokens - 1`` tokens, so with ``num_tokens - 1`` not
-    a multiple of the block size at least one token remains; no KV connector (its hits are arbitrary), no
-    hybrid-model alignment."""
+    a multiple of the block size at least one token remains; when it is, the hit is looked up (the
+    KV cache coordinator's ``find_longest_cache_hit``, a lookup without side effects). No KV connector
+    (its hits are arbitrary), no hybrid-model alignment."""
     bs = getattr(sched, "block_size", None)
     if not bs or getattr(sched, "connector", None) is not None or getattr(sched, "need_mamba_block_aligned_split", False):
         return False
     n = request.num_tokens - 1
-    return n > request.num_computed_tokens and n % bs != 0
+    if n <= request.num_computed_tokens:
+        return False
+    if n % bs:
+        return True
+    try:
+        kv = sched.kv_cache_manager
+        if not kv.prefix_cache_lookup_enabled(request):
+            return True
+        hit = kv.coordinator.find_longest_cache_hit(request.block_hashes, n)[1]
+    except Exception:
+        return False
+    return hit < n
 
 
 CORE_PATCHES = (_patch_config_literal, _patch_sampling_params, _patch_manager)
