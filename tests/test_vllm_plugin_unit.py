@@ -873,7 +873,13 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     mgr.grammar_init(req)
     slot = req.structured_output_request._grammar
     assert pending.is_pending(slot) and submitted == [] and COMPILE_CALLS == []
+    # a request that could sample (no constraint) waits behind it: the pending one leaves it the step
+    sched.waiting = [req, types.SimpleNamespace(structured_output_request=None)]
+    assert Scheduler._handle_blocked_waiting_request(sched, req) is False and req.status == blocked
+    sched.waiting = [req, request("other", "zz", token)]  # another pending one does not count
+    sched.waiting[1].structured_output_request.grammar = pending.PendingGrammar()
     assert Scheduler._handle_blocked_waiting_request(sched, req) is True and req.status == RequestStatus.WAITING
+    del sched.waiting
     assert Scheduler._reserve_prefill_lookahead(sched, req, 0, 100) == 49  # all but the prompt's last token
     assert Scheduler._reserve_prefill_lookahead(sched, req, 49, 1) == 0
     edge = request("p2", "ab", token, num_tokens=33)  # 32 tokens = 2 whole blocks: a cache hit could leave 0

@@ -417,6 +417,8 @@ def _patch_scheduler() -> None:
             so = request.structured_output_request
             slot = getattr(so, "_grammar", None) if so is not None else None
             if pending.is_pending(slot):
+                if _ready_request_waits(self, request):
+                    return False  # its prefill does not take the step's token budget from a ready request
                 if request.status == RequestStatus.PREEMPTED:  # keeps its status: it resumes
                     return _may_prefill(self, request)
                 if _may_prefill(self, request):
@@ -448,6 +450,21 @@ def _patch_scheduler() -> None:
 
     _wrap(Scheduler, "_handle_blocked_waiting_request", make_admit)
     _wrap(Scheduler, "_reserve_prefill_lookahead", make_cap)
+
+
+def _ready_request_waits(sched: Any, request: Any) -> bool:
+    """Whether a request that could sample its first token (no grammar pending, none needed) waits behind
+    ``request`` in the scheduler's queue: then ``request``, whose grammar is pending, is skipped this
+    step, so that its early prefill never delays a request that could produce tokens."""
+    for other in getattr(sched, "waiting", ()):
+        if other is request:
+            continue
+        so = other.structured_output_request
+        if so is None:
+            return True
+        if so._grammar is not None and not pending.is_pending(so._grammar) and so.is_grammar_ready:
+            return True
+    return False
 
 
 def _may_prefill(sched: Any, request: Any) -> bool:
