@@ -393,3 +393,12 @@ def test_bench_compile_serving_stages(fst_artifacts):
     lines = b.table(rows, ordered, None).splitlines()
     assert lines[2].startswith("| 3 (2 JSON schemas) | cold |") and "n/a" in lines[2]
     assert lines[3].startswith("| 3 (2 JSON schemas) | in serving order |")
+
+
+def test_fst_sequential_is_fst_without_the_overlap_and_serving_only():
+    b = _bench()
+    cmd = b.server_command("fst-sequential", 8790, 8, [])
+    assert cmd[cmd.index("--structured-outputs-config.backend") + 1] == "fst" and "--speculative-config" not in cmd
+    assert b.parse_args(["--workloads", "serving", "--backends", "fst,fst-sequential"]).backends == ["fst", "fst-sequential"]
+    with pytest.raises(SystemExit):
+        b.parse_args(["--workloads", "mc", "--backends", "fst-sequential"])
