@@ -491,15 +491,12 @@ def test_manager_creates_fst_backend_and_routes_options(fake_stages):
     assert mask.shape == (2, 2) and mask.dtype == torch.int32
 
 
-def test_manager_loads_a_compiled_constraint_on_its_own_thread(fake_stages):
-    """A constraint already compiled (here by a first request; in a server by the API server's check)
-    gets its grammar in ``grammar_init`` itself, not through vLLM's grammar thread pool; a new one, a
-    request routed to the fallback and one that would fail still go to the pool (which reports errors)."""
+def _manager_with_pool(submitted: list[str]):
+    """A ``StructuredOutputManager`` (not initialised: its fields set here) whose grammar pool runs each
+    job at once and records the request ids in ``submitted``."""
     from concurrent.futures import Future
 
     from vllm.v1.structured_output import StructuredOutputManager
-
-    submitted = []
 
     class Pool:
         def submit(self, fn, *args):
@@ -517,6 +514,17 @@ def test_manager_loads_a_compiled_constraint_on_its_own_thread(fake_stages):
     mgr.tokenizer = None
     mgr._use_async_grammar_compilation = True
     mgr.executor = Pool()
+    return mgr
+
+
+def test_manager_loads_a_compiled_constraint_on_its_own_thread(fake_stages):
+    """A constraint already compiled (here by a first request; in a server by the API server's check)
+    gets its grammar in ``grammar_init`` itself, not through vLLM's grammar thread pool; a new one, a
+    request routed to the fallback and one that would fail still go to the pool (which reports errors)."""
+    from concurrent.futures import Future
+
+    submitted: list[str] = []
+    mgr = _manager_with_pool(submitted)
     first = _engine_request("r1", regex="ab")
     mgr.grammar_init(first)
     assert submitted == ["r1"] and isinstance(first.structured_output_request._grammar, Future)
@@ -827,30 +835,14 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
 
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import RequestStatus
-    from vllm.v1.structured_output import StructuredOutputManager
 
     from vllm_fst_backend.vllm import pending
 
     monkeypatch.setenv("VLLM_FST_DISK_CACHE", "1")
     monkeypatch.setenv("VLLM_FST_DISK_CACHE_DIR", str(tmp_path))
     markers = pending.PendingMarkers(pending.pending_dir(tmp_path))
-    submitted = []
-
-    class Pool:
-        def submit(self, fn, *args):
-            submitted.append(args[0].request_id)
-            f = Future()
-            f.set_result(fn(*args))
-            return f
-
-    from concurrent.futures import Future
-
-    mgr = object.__new__(StructuredOutputManager)
-    mgr.backend = None
-    mgr.vllm_config = _vllm_config()
-    mgr.tokenizer = None
-    mgr._use_async_grammar_compilation = True
-    mgr.executor = Pool()
+    submitted: list[str] = []
+    mgr = _manager_with_pool(submitted)
     sched = types.SimpleNamespace(num_prefill_lookahead=0, block_size=16, connector=None,
                                   need_mamba_block_aligned_split=False, grammar_compile_error_reqs=set())
     blocked = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
