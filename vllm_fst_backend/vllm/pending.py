@@ -1,6 +1,6 @@
 """Compile checks in flight on the host, so that a request prefills while its constraint compiles.
 
-The API server's compile check (``validation.aprecheck``) of a new constraint used to finish before its
+The API server's compile check (``validation.run_precheck``) of a new constraint used to finish before its
 request entered the engine. Now the request enters at once and the check runs beside it:
 
 * API server (:class:`PendingMarkers`): the check creates a marker file ``<disk cache dir>/pending/<token>``

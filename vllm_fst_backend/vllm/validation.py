@@ -3,10 +3,12 @@
 * :func:`validate_structured_outputs` -- the ``SamplingParams._validate_structured_outputs`` wrap (sync,
   often on the API server's event loop): cheap checks only (``fst_*`` options, input size limits,
   constraint kind), routes the request to fst or to the fallback (``fallback.py``).
-* :func:`aprecheck` -- awaited by the chat/completion handlers before a request enters the engine: the
-  compile check (JSON schema conversion + compile) in the isolated compile process, so that a bad
+* :func:`plan_precheck` / :func:`run_precheck` -- awaited by the chat/completion handlers
+  (``patches._patch_serving_precheck``; beside the request's prefill for a new constraint, ``pending.py``):
+  the compile check (JSON schema conversion + compile) in the isolated compile process, so that a bad
   constraint or an empty language is an HTTP 400 with the reason, and an unsupported schema or a
-  constraint over fst's budget is routed to the fallback (a 400 with ``VLLM_FST_FALLBACK=none``). Its verdicts are remembered (:data:`PRECHECKS`) for the sync hook.
+  constraint over fst's budget is routed to the fallback (a 400 with ``VLLM_FST_FALLBACK=none``). Its
+  verdicts are remembered (:data:`PRECHECKS`) for the sync hook.
 
 Errors: ``VLLMValidationError`` (HTTP 400) or :func:`server_error` (a 500 that keeps its message).
 """
@@ -352,15 +354,3 @@ def reset_route(request: Any) -> None:
         if hasattr(so, "_backend_was_auto"):
             so._backend_was_auto = False
 
-
-async def aprecheck(request: Any, model_config: Any) -> None:
-    """:func:`plan_precheck` then :func:`run_precheck`, awaited before a request enters the engine (the
-    handlers' path when a request may not overlap its check: see ``patches._patch_serving_precheck``).
-
-    Raises:
-        VLLMValidationError: bad constraint, over a compile budget, empty language (HTTP 400).
-        FstServerError: artifacts missing or the checker unavailable (HTTP 500 with the message).
-    """
-    plan = plan_precheck(request)
-    if plan is not None:
-        await run_precheck(plan, model_config)
