@@ -865,6 +865,8 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     mgr.grammar_init(req)
     slot = req.structured_output_request._grammar
     assert pending.is_pending(slot) and submitted == [] and COMPILE_CALLS == []
+    # its first step: held back (its compile may end before the next one, then no early prefill is needed)
+    assert Scheduler._handle_blocked_waiting_request(sched, req) is False and req.status == blocked
     # a request that could sample (no constraint) waits behind it: the pending one leaves it the step
     sched.waiting = [req, types.SimpleNamespace(structured_output_request=None)]
     assert Scheduler._handle_blocked_waiting_request(sched, req) is False and req.status == blocked
@@ -877,6 +879,7 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     edge = request("p2", "ab", token, num_tokens=33)  # 32 tokens = 2 whole blocks: a cache hit could leave 0
     edge.block_hashes = ["h1", "h2"]
     mgr.grammar_init(edge)
+    edge.structured_output_request._grammar.waited_a_step = True
     hits = {"n": 32}
 
     class Coordinator:
@@ -902,6 +905,7 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     token = markers.begin(key)
     bad = request("p3", "cd", token)
     mgr.grammar_init(bad)
+    assert Scheduler._handle_blocked_waiting_request(sched, bad) is False  # its first step
     assert Scheduler._handle_blocked_waiting_request(sched, bad) is True
     assert Scheduler._reserve_prefill_lookahead(sched, bad, 0, 100) == 49
     markers.end(key, token, refused=True)  # refused: the API server answers 400 and aborts the request
@@ -911,6 +915,10 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     sched.grammar_compile_error_reqs.clear()
     assert Scheduler._handle_blocked_waiting_request(sched, bad) is False and sched.grammar_compile_error_reqs == {"p3"}
 
+    late = request("p5", "cd", token)  # reaches the engine after the check refused it: fails, no compile
+    mgr.grammar_init(late)
+    assert isinstance(late.structured_output_request.grammar, pending.CompileRefused) and COMPILE_CALLS == []
+    assert "p5" not in submitted
     gone = request("p4", "ef", "0123-dead")  # marker not there (check done, or another host): compiled as before
     mgr.grammar_init(gone)
     assert submitted == ["p4"] and isinstance(gone.structured_output_request.grammar, vbackend.FstGrammar)

@@ -161,7 +161,12 @@ def _pending_grammar(manager: Any, request: Any) -> Any:
     if directory is None:
         return None
     deadline_s = pending.marker_deadline_s()
-    if pending.marker_state(directory, token, deadline_s) != "pending":
+    state = pending.marker_state(directory, token, deadline_s)
+    if state == "refused":  # the API server answers it (400 or the fallback) and aborts it: no compile here
+        refused = pending.PendingGrammar()
+        refused.set_exception(pending.CompileRefused("fst: the API server's compile check refused this constraint"))
+        return refused
+    if state != "pending":
         return None
     executor = getattr(manager, "executor", None)
     if executor is None:
@@ -417,6 +422,12 @@ def _patch_scheduler() -> None:
             so = request.structured_output_request
             slot = getattr(so, "_grammar", None) if so is not None else None
             if pending.is_pending(slot):
+                if not slot.waited_a_step:
+                    # its compile may well end before the next step: then its whole prompt is prefilled at
+                    # once, without the extra step that an early prefill costs its last prompt token
+                    slot.waited_a_step = True
+                    request.status = blocked
+                    return False
                 if _ready_request_waits(self, request):
                     return False  # its prefill does not take the step's token budget from a ready request
                 if request.status == RequestStatus.PREEMPTED:  # keeps its status: it resumes

@@ -141,7 +141,11 @@ def wait_for_marker(directory: str | os.PathLike, token: str, deadline_s: float,
 
 class PendingGrammar(Future):
     """The grammar of a request whose constraint the API server is still compiling (a
-    ``concurrent.futures.Future`` as vLLM's ``StructuredOutputRequest`` holds for compiles in its pool)."""
+    ``concurrent.futures.Future`` as vLLM's ``StructuredOutputRequest`` holds for compiles in its pool).
+    ``waited_a_step``: the scheduler has held its request back once (it starts an early prefill only
+    from its second step on)."""
+
+    waited_a_step = False
 
 
 class PendingWatcher:
