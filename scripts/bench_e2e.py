@@ -1320,14 +1320,14 @@ def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict
     ok = [(c, r) for c, r in zip(cases, results) if r.get("ok")]
     failed = [r for r in results if not r.get("ok")]
     valid = [output_valid(c, r["text"]) for c, r in ok]
-    canon = [x for x in (output_canonical(r["token_ids"], r["text"], tokenizer, stop_ids) for _, r in ok) if x is not None]
+    canons = [output_canonical(r["token_ids"], r["text"], tokenizer, stop_ids) for _, r in ok]
+    canon = [x for x in canons if x is not None]
     ttft = [1e3 * r["ttft"] for _, r in ok]
     lat = [1e3 * r["latency"] for _, r in ok]
     tokens = sum(r["completion_tokens"] or 0 for _, r in ok)
     chars = sum(len(r["text"] or "") for _, r in ok)
     bad = []
-    for (c, r), v in zip(ok, valid):
-        cn = output_canonical(r["token_ids"], r["text"], tokenizer, stop_ids)
+    for (c, r), v, cn in zip(ok, valid, canons):
         if (not v or cn is False) and len(bad) < 3:
             bad.append({"kind": c.kind, "spec": c.spec if c.kind == "regex" else c.name, "text": r["text"][:300],
                         "finish": r["finish"], "valid": v, "canonical": cn})  # fmt: skip

@@ -156,10 +156,10 @@ def _patch_manager(manager_cls: Any = None) -> None:
 def _pending_grammar(manager: Any, request: Any) -> Any:
     """A :class:`pending.PendingGrammar` for a request whose constraint the API server is still compiling
     (its marker is live), resolved from the host's disk cache when the marker goes, or None."""
-    token = pending.request_token(request.sampling_params)
-    directory = pending.cache_marker_dir() if token is not None else None
-    if directory is None:
+    marker = pending.request_marker(request.sampling_params)
+    if marker is None:
         return None
+    directory, token = marker
     deadline_s = pending.marker_deadline_s()
     state = pending.marker_state(directory, token, deadline_s)
     if state == "refused":  # the API server answers it (400 or the fallback) and aborts it: no compile here

@@ -296,6 +296,14 @@ def is_pending(grammar_slot: Any) -> bool:
     return type(grammar_slot) is PendingGrammar and not grammar_slot.done()
 
 
+def request_marker(sampling_params: Any) -> tuple[Path, str] | None:
+    """(marker directory, token) of a request whose API server wrote a marker token into its
+    ``extra_args``, when this host's disk cache is on; else None."""
+    token = request_token(sampling_params)
+    directory = cache_marker_dir() if token is not None else None
+    return (directory, token) if directory is not None else None
+
+
 def request_token(sampling_params: Any) -> str | None:
     """The marker token an API server wrote into ``sampling_params.extra_args``, if valid."""
     extra = getattr(sampling_params, "extra_args", None)

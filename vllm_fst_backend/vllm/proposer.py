@@ -170,10 +170,9 @@ class FstForcedTokenProposer:
             if ctx is None:
                 raise RuntimeError(f"no tokenizer artifacts ({self._context_error})")
             _, regex = params_to_regex(so)
-            token = pending.request_token(sp)
-            directory = pending.cache_marker_dir() if token is not None else None
-            if directory is not None:  # the API server still compiles it: take its automaton, not a compile
-                if pending.wait_for_marker(directory, token, pending.marker_deadline_s()) == "refused":
+            marker = pending.request_marker(sp)
+            if marker is not None:  # the API server still compiles it: take its automaton, not a compile
+                if pending.wait_for_marker(*marker, pending.marker_deadline_s()) == "refused":
                     raise pending.CompileRefused("fst: the API server's compile check refused this constraint")
             return _context.matcher_factory(ctx.compile(regex, options).compiled)
 
