@@ -64,6 +64,10 @@ def test_bench_e2e_smoke(tmp_path):
     assert rows["mc"]["satisfied"] == 1.0  # every sampled answer is one of the options
     assert rows["pokedex"]["satisfied"] == 1.0  # every sample matches the template regex
     assert rows["mc"]["tok_s"] > 0 and rows["pokedex"]["ttft_ms"] > 0
+    # single-stream decode rate: the template's greedy stream and its repeats (default 3), not the MC answers
+    assert rows["pokedex"]["stream_tok_s"] > 0 and rows["mc"]["stream_tok_s"] is None
+    assert len(rows["pokedex"]["greedy_ids"]) == 4
+    assert len({tuple(ids) for ids in rows["pokedex"]["greedy_ids"]}) == 1  # greedy: the same output each time
     assert rows["mc"]["prompt_mismatch"] == 0  # the offline reference scored the server's exact prompt
     assert 0.0 <= rows["mc"]["tv"] <= 1.0
 
@@ -402,3 +406,20 @@ def test_fst_sequential_is_fst_without_the_overlap_and_serving_only():
     assert b.parse_args(["--workloads", "serving", "--backends", "fst,fst-sequential"]).backends == ["fst", "fst-sequential"]
     with pytest.raises(SystemExit):
         b.parse_args(["--workloads", "mc", "--backends", "fst-sequential"])
+
+
+def test_jump_targets_name_the_batch_ceiling_the_single_stream_rate_and_greedy_identity():
+    b = _bench()
+
+    def row(backend, wl, tok_s, stream, ids):
+        return {"backend": backend, "workload": wl, "tok_s": tok_s, "stream_tok_s": stream, "greedy_ids": ids,
+                "canonical": 1.0 if backend.startswith("fst") else 0.5}
+
+    rows = [row("fst", "pokedex", 500.0, 60.0, [[1, 2], [1, 4]]), row("fst-jump", "pokedex", 510.0, 150.0, [[1, 2], [1, 3]]),
+            row("xgrammar", "pokedex", 500.0, 75.0, None), row("unconstrained", "pokedex", 520.0, None, None)]
+    text = "\n".join(b.targets_text(rows, {}))
+    assert "n = 50 per request: 1.02× (NOT met; the model's own rate at this batch, unconstrained, is 1.04× xgrammar's)" in text
+    assert "single stream (greedy, n = 1): 2.00× (150.0 vs 75.0; fst without jumps 0.80×) (met)" in text
+    assert "near-tie): pokedex 1 of 2 (fst: 2 distinct in 2) (NOT met)" in text
+    rows[1]["greedy_ids"] = [[1, 4], [1, 2]]
+    assert "near-tie): pokedex 2 of 2 (fst: 2 distinct in 2) (met)" in "\n".join(b.targets_text(rows, {}))

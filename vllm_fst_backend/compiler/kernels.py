@@ -40,7 +40,7 @@ import numba
 import numpy as np
 
 __all__ = [
-    "class_trie", "walk_class_trie", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
+    "class_trie", "walk_class_trie", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
     "canon_row", "canon_step", "sccs", "content_key", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
@@ -335,6 +335,20 @@ def chain_sums(h, sources, m, cq, has_depth, U, reached):
             U[1, L] += h[3, q0] * (h[4, q2] | one) + h[5, q2]
             U[2, L] += one
             reached[q2] = True
+
+
+@_jit
+def pure_nodes(parent, label, xk):
+    """``bool[M]``: the class-trie nodes whose byte string is spelled in the byte classes ``xk`` only
+    (``bool[K]``; the root, the empty string, is). ``parent``/``label``: ``int32[M]`` of the class trie,
+    numbered level by level (parents precede children)."""
+    M = parent.shape[0]
+    pure = np.zeros(M, np.bool_)
+    if M:
+        pure[0] = True
+    for c in range(1, M):
+        pure[c] = pure[parent[c]] and xk[label[c]]
+    return pure
 
 
 @_jit
@@ -1288,6 +1302,7 @@ def warm_up() -> None:
         h, sums = np.zeros((6, 1), np.uint64), np.zeros((2, 1), np.uint64)
         walk_class_trie(np.array([1, 1], np.int64), no_kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, False, h, sums,
                         i64[:1].copy(), np.zeros(1, np.bool_), 0, no_kids, no_kids, no_kids, 0)
+        pure_nodes(np.array([-1], np.int32), np.array([-1], np.int32), np.ones(1, np.bool_))
         kp, kids = prune_trie(np.array([-1], np.int32), np.array([1, 1], np.int64), np.ones(1, np.bool_))
         walk_class_trie(kp, kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, True, h, sums, i64[:1].copy(),
                         np.zeros(1, np.bool_), 1, i32.copy(), i32.copy(), i32.copy(), 0)

@@ -598,10 +598,7 @@ class _FusedWalk:
             return self._variants[key]
         ct = self.ct
         M = len(ct.parent)
-        pure = np.zeros(M, dtype=bool)  # spelled in X only (the root: the empty string)
-        pure[0] = True
-        for lo, hi in self._levels[1:]:
-            pure[lo:hi] = pure[ct.parent[lo:hi]] & xk[ct.label[lo:hi]]
+        pure = kernels.pure_nodes(ct.parent, ct.label, np.ascontiguousarray(xk, dtype=bool))  # spelled in X only
         keep = ~pure
         res = None
         if keep.sum() <= self._CHAIN_MAX_SHARE * M:
