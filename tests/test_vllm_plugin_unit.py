@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import types
 
@@ -923,3 +924,144 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     mgr.grammar_init(gone)
     assert submitted == ["p4"] and isinstance(gone.structured_output_request.grammar, vbackend.FstGrammar)
     assert Scheduler._reserve_prefill_lookahead(sched, gone, 0, 100) == 100
+
+
+def _first_sample_scheduler(**over):
+    """A scheduler stand-in where the first sample in the step is on (synchronous scheduling, no
+    speculative decoding, one pipeline stage, no KV connector); ``over`` replaces fields."""
+    cfg = types.SimpleNamespace(speculative_config=None, scheduler_config=types.SimpleNamespace(async_scheduling=False),
+                                parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))
+    fields = dict(vllm_config=cfg, scheduler_config=cfg.scheduler_config, parallel_config=cfg.parallel_config,
+                  connector=None, num_prefill_lookahead=0, block_size=16, need_mamba_block_aligned_split=False,
+                  grammar_compile_error_reqs=set(), requests={})
+    fields.update(over)
+    return types.SimpleNamespace(**fields)
+
+
+def test_first_sample_in_the_step_is_only_where_a_dropped_sample_can_be_taken_back(monkeypatch):
+    """The whole-prompt prefill of a pending request needs vLLM's synchronous step (the bitmask is asked
+    for while the model runs, the output comes before the next step is scheduled), no drafts, one
+    pipeline stage and no KV connector; ``VLLM_FST_FIRST_SAMPLE=0`` turns it off."""
+    assert patches._first_sample_state(_first_sample_scheduler()) is not None
+    on = types.SimpleNamespace(pipeline_parallel_size=1)
+    for over in (dict(scheduler_config=types.SimpleNamespace(async_scheduling=True)),
+                 dict(vllm_config=types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=4))),
+                 dict(parallel_config=types.SimpleNamespace(pipeline_parallel_size=2)),
+                 dict(connector=object()),
+                 dict(vllm_config=None, scheduler_config=None, parallel_config=on)):
+        assert patches._first_sample_state(_first_sample_scheduler(**over)) is None, over
+    monkeypatch.setenv("VLLM_FST_FIRST_SAMPLE", "0")
+    assert patches._first_sample_state(_first_sample_scheduler()) is None
+
+
+def test_first_sample_in_the_step_waits_for_the_grammar_or_drops_the_sample(fake_stages, monkeypatch, tmp_path):
+    """With the first sample in the step, a pending request is admitted at once with its whole prompt; the
+    step's ``get_grammar_bitmask`` (the model computes the step meanwhile) waits for its grammar at most
+    the clock's share of a step: a grammar that comes in time gets its bitmask row, one that does not (or
+    a refused one) is left out of the bitmask, its sample is dropped and its last prompt token taken back,
+    so that the next step computes it again; a request asking for prompt logprobs keeps the old way."""
+    import numpy as np
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from vllm_fst_backend.vllm import pending
+
+    monkeypatch.setenv("VLLM_FST_DISK_CACHE", "1")
+    monkeypatch.setenv("VLLM_FST_DISK_CACHE_DIR", str(tmp_path))
+    markers = pending.PendingMarkers(pending.pending_dir(tmp_path))
+    submitted: list[str] = []
+    mgr = _manager_with_pool(submitted)
+    rows: list[list[str]] = []
+    som = types.SimpleNamespace(backend=object.__new__(vbackend.FstBackend),
+                                grammar_bitmask=lambda reqs, ids, spec: rows.append(list(ids)) or np.zeros((len(ids), 2), np.int32))
+    sched = _first_sample_scheduler(structured_output_manager=som)
+    blocked = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+    def request(rid, regex, token, num_tokens=50):
+        r = _engine_request(rid, regex=regex, extra_args={pending.PENDING_ARG: token} if token else None)
+        r.is_finished = lambda: False
+        r.num_tokens, r.num_computed_tokens, r.status = num_tokens, 0, blocked
+        r.num_output_tokens, r.use_structured_output, r.is_prefill_chunk = 0, True, False
+        mgr.grammar_init(r)
+        sched.requests[rid] = r
+        return r
+
+    def step(ids):
+        out = types.SimpleNamespace(has_structured_output_requests=True, scheduled_spec_decode_tokens={},
+                                    num_scheduled_tokens={rid: 1 for rid in ids}, total_num_scheduled_tokens=len(ids))
+        return Scheduler.get_grammar_bitmask(sched, out)
+
+    key = bytes(32)
+    token = markers.begin(key)
+    req = request("f1", "ab", token)
+    assert pending.is_pending(req.structured_output_request._grammar) and submitted == []
+    assert Scheduler._handle_blocked_waiting_request(sched, req) is True and req.status == RequestStatus.WAITING
+    assert Scheduler._reserve_prefill_lookahead(sched, req, 0, 50) == 50  # the whole prompt, at once
+    lp = request("f0", "ab", token)
+    lp.sampling_params.prompt_logprobs = 1  # a dropped sample would have given them out: the old way
+    assert Scheduler._handle_blocked_waiting_request(sched, lp) is False and lp.status == blocked
+    assert Scheduler._reserve_prefill_lookahead(sched, lp, 0, 50) == 49
+
+    ready = request("x", "ab", None)  # compiled: its grammar is there
+    t0 = time.perf_counter()
+    got = step(["f1", "x"])
+    waited = time.perf_counter() - t0
+    assert rows[-1] == ["x"] and list(got.structured_output_request_ids) == ["x"]  # f1 left out
+    assert 0.015 <= waited < 1.0  # waited (the clock's default: 20 ms) for f1's grammar, which did not come
+    assert req.is_prefill_chunk is False
+    assert patches._first_sample_state(sched).late == {"f1"}
+    mro = types.SimpleNamespace(sampled_token_ids=[[7], [9]], req_id_to_index={"f1": 0, "x": 1})
+    seen = []
+
+    def orig_update(self, so, out):  # vLLM's update_from_output: sees no token for f1
+        seen.append([list(t) for t in out.sampled_token_ids])
+        return {}
+
+    update = patches._make_first_sample_update(orig_update)
+    req.num_computed_tokens = 50
+    assert update(sched, None, mro) == {} and seen[-1] == [[], [9]]
+    assert req.num_computed_tokens == 49 and patches._first_sample_state(sched).late == set()
+    assert patches._first_sample_state(sched).clock.steps  # the step was timed
+
+    # the compile ends during the next step's forward pass: f1 is sampled in that step, under its grammar
+    fake_stages.compile("ab", options.FstRequestOptions())  # the API server's compile
+    COMPILE_CALLS.clear()
+    threading.Timer(0.005, lambda: markers.end(key, token, refused=False)).start()
+    patches._first_sample_state(sched).clock.steps.clear()  # (the default wait, 20 ms)
+    sched.requests.pop("f0")
+    step(["f1", "x"])
+    assert rows[-1] == ["f1", "x"] and isinstance(req.structured_output_request.grammar, vbackend.FstGrammar)
+    assert patches._first_sample_state(sched).late == set() and "f1" not in submitted and COMPILE_CALLS == []
+
+    # a refused constraint: left out and dropped, then ended by the cap like a failed compile
+    token = markers.begin(key)
+    bad = request("f2", "cd", token)
+    assert Scheduler._handle_blocked_waiting_request(sched, bad) is True
+    markers.end(key, token, refused=True)
+    step(["f2"])
+    assert rows[-1] == ["f1", "x"] and patches._first_sample_state(sched).late == {"f2"}  # no new bitmask call
+    bad.num_computed_tokens = 50
+    update(sched, None, types.SimpleNamespace(sampled_token_ids=[[3]], req_id_to_index={"f2": 0}))
+    assert bad.num_computed_tokens == 49 and seen[-1] == [[]]
+    assert Scheduler._reserve_prefill_lookahead(sched, bad, 49, 1) == 0 and sched.grammar_compile_error_reqs == {"f2"}
+
+
+def test_step_clock_waits_a_share_of_the_shortest_recent_step_of_as_many_tokens():
+    from vllm_fst_backend.vllm import pending
+
+    clock = pending.StepClock(n=4, share=0.5, floor_s=0.001, cap_s=0.2, default_s=0.02)
+    assert clock.wait_s(100) == 0.02
+    clock.steps.extend([(8, 0.03), (400, 0.10), (8, 0.02), (300, 0.08)])
+    assert clock.wait_s(8) == pytest.approx(0.01)  # every step computed at least half as many tokens
+    assert clock.wait_s(500) == pytest.approx(0.04)  # only the 400- and 300-token steps compare: 0.08
+    assert clock.wait_s(2000) == pytest.approx(0.01)  # none computed half as many: the shortest of all
+    clock.steps.extend([(8, 1.0), (8, 2.0), (8, 3.0), (8, 4.0)])  # only the last n count, capped
+    assert clock.wait_s(8) == pytest.approx(0.2)
+    clock.steps.append((8, 0.0))
+    assert clock.wait_s(8) == pytest.approx(0.001)
+    clock.start(16)
+    time.sleep(0.01)
+    clock.stop()
+    assert clock.steps[-1][0] == 16 and clock.steps[-1][1] >= 0.009
+    clock.stop()  # no start: nothing recorded
+    assert len(clock.steps) == 4

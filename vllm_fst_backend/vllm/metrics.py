@@ -27,6 +27,8 @@ _METRIC_DEFS = {
     "disk_cache_loads": ("vllm_fst_disk_cache_loads_total", "Compiled automata loaded from the host's disk cache instead of compiled"),
     "fallback": ("vllm_fst_fallback_requests_total", "Requests routed to the fallback backend, by constraint kind"),
     "pending_prefill_tokens": ("vllm_fst_pending_prefill_tokens_total", "Prompt tokens prefilled while the API server still compiled the request's constraint"),
+    "first_samples_in_step": ("vllm_fst_first_samples_in_step_total", "Requests prefilled whole while their constraint compiled whose grammar came in time for the step's sample"),
+    "late_first_samples": ("vllm_fst_late_first_samples_total", "Samples dropped because the request's grammar had not come by the end of the step's forward pass (its last prompt token runs again)"),
     "precheck_seconds": ("vllm_fst_precheck_seconds_total", "Seconds API-server requests waited for the isolated check"),
 }
 _METRIC_LABELS = {"fallback": ("kind",)}

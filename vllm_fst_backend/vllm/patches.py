@@ -387,15 +387,29 @@ def _patch_serving_precheck() -> None:
 
 def _patch_scheduler() -> None:
     """Let a request whose grammar is a :class:`pending.PendingGrammar` (the API server is compiling its
-    constraint) prefill all of its prompt but the last token; the last one, whose output is sampled under
-    the grammar's bitmask, waits for the grammar. vLLM 0.32's ``Scheduler``: ``_handle_blocked_waiting_request``
+    constraint) prefill while it waits. vLLM 0.32's ``Scheduler``: ``_handle_blocked_waiting_request``
     (admission of a waiting request) and ``_reserve_prefill_lookahead`` (the last cap on a request's
-    new tokens this step, waiting and running requests alike). A grammar that fails after the request
-    started ends it like vLLM's own failed compiles (``grammar_compile_error_reqs``)."""
+    new tokens this step, waiting and running requests alike). Two ways (docs/vllm-integration.md, touch
+    point 9):
+
+    * *first sample in the step* (:func:`_first_sample_in_step`: synchronous scheduling, no speculative
+      decoding, one pipeline stage, no KV connector, no prompt logprobs): the request is prefilled whole
+      at once; ``get_grammar_bitmask``, which the engine core calls while the model computes the step,
+      waits for its grammar at most as long as the forward pass takes (:class:`pending.StepClock`); a
+      grammar still pending then leaves the request out of the bitmask, and ``update_from_output`` drops
+      its sampled token and takes its last prompt token back (``num_computed_tokens - 1``: the worker
+      truncates its own copy from the ``num_output_tokens`` it is sent, as after a failed KV load), so the
+      next step computes that token again, and samples it if the grammar has come;
+    * otherwise all of its prompt but the last token, whose output is sampled under the grammar's
+      bitmask and waits for the grammar.
+
+    A grammar that fails after the request started ends it like vLLM's own failed compiles
+    (``grammar_compile_error_reqs``)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import RequestStatus
 
-    for name in ("_handle_blocked_waiting_request", "_reserve_prefill_lookahead"):
+    for name in ("_handle_blocked_waiting_request", "_reserve_prefill_lookahead", "get_grammar_bitmask",
+                 "update_from_output"):
         if not callable(getattr(Scheduler, name, None)):
             raise RuntimeError(f"vLLM's Scheduler has no {name}: no prefill while a constraint compiles")
     blocked = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
@@ -422,6 +436,13 @@ def _patch_scheduler() -> None:
             so = request.structured_output_request
             slot = getattr(so, "_grammar", None) if so is not None else None
             if pending.is_pending(slot):
+                if _first_sample_in_step(self, request):
+                    # prefilled whole like a request whose grammar is ready (its first sample waits in the step)
+                    if _ready_request_waits(self, request):
+                        return False
+                    if request.status != RequestStatus.PREEMPTED:
+                        request.status = RequestStatus.WAITING
+                    return True
                 if not slot.waited_a_step:
                     # its compile may well end before the next step: then its whole prompt is prefilled at
                     # once, without the extra step that an early prefill costs its last prompt token
@@ -451,7 +472,8 @@ def _patch_scheduler() -> None:
                 return n
             slot = getattr(so, "_grammar", None)
             if pending.is_pending(slot):
-                n = max(0, min(n, request.num_tokens - 1 - num_computed_tokens))
+                if not _first_sample_in_step(self, request):
+                    n = max(0, min(n, request.num_tokens - 1 - num_computed_tokens))
                 if n:
                     metric_inc("pending_prefill_tokens", n)
                 return n
@@ -461,6 +483,128 @@ def _patch_scheduler() -> None:
 
     _wrap(Scheduler, "_handle_blocked_waiting_request", make_admit)
     _wrap(Scheduler, "_reserve_prefill_lookahead", make_cap)
+    _wrap(Scheduler, "get_grammar_bitmask", _make_first_sample_bitmask)
+    _wrap(Scheduler, "update_from_output", _make_first_sample_update)
+
+
+def _make_first_sample_bitmask(orig):
+    """Wrap ``Scheduler.get_grammar_bitmask`` (called while the model computes the step): wait for the
+    pending grammars of requests sampled this step, at most :meth:`pending.StepClock.wait_s`; leave out
+    of the bitmask those still pending (or failed), their samples to be dropped."""
+
+    def get_grammar_bitmask(self, scheduler_output):
+        fs = _first_sample_state(self)
+        if fs is None:
+            return orig(self, scheduler_output)
+        fs.clock.start(scheduler_output.total_num_scheduled_tokens)
+        late = []
+        if scheduler_output.has_structured_output_requests and isinstance(
+                getattr(self.structured_output_manager, "backend", None), FstBackend):
+            cands = [req for rid in scheduler_output.num_scheduled_tokens
+                     if (req := self.requests.get(rid)) is not None and req.use_structured_output
+                     and not req.is_prefill_chunk and req.structured_output_request is not None
+                     and type(req.structured_output_request._grammar) is pending.PendingGrammar]
+            if cands:
+                ready = pending.await_grammars([r.structured_output_request._grammar for r in cands],
+                                               fs.clock.wait_s(scheduler_output.total_num_scheduled_tokens))
+                late = [r for r, ok in zip(cands, ready) if not ok]
+                metric_inc("first_samples_in_step", len(cands) - len(late))
+        for req in late:  # left out of the bitmask: their samples are dropped (update_from_output)
+            req.is_prefill_chunk = True
+            fs.late.add(req.request_id)
+        try:
+            return orig(self, scheduler_output)
+        finally:
+            for req in late:
+                req.is_prefill_chunk = False
+
+    return get_grammar_bitmask
+
+
+def _make_first_sample_update(orig):
+    """Wrap ``Scheduler.update_from_output``: time the step, and drop the samples of the requests left out
+    of its bitmask (:func:`_drop_samples`, :func:`_take_back_last_token`)."""
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        fs = _first_sample_state(self)
+        if fs is None:
+            return orig(self, scheduler_output, model_runner_output)
+        fs.clock.stop()
+        if not fs.late:
+            return orig(self, scheduler_output, model_runner_output)
+        late, fs.late = fs.late, set()
+        dropped = _drop_samples(model_runner_output, late)
+        out = orig(self, scheduler_output, model_runner_output)
+        _take_back_last_token(self, dropped)
+        return out
+
+    return update_from_output
+
+
+class _FirstSample:
+    """Per-scheduler state of the first sample in the step (:func:`_patch_scheduler`): the step clock
+    and the ids of the requests whose sample of the current step is to be dropped."""
+
+    __slots__ = ("clock", "late")
+
+    def __init__(self):
+        self.clock = pending.StepClock()
+        self.late: set = set()
+
+
+def _first_sample_state(sched: Any) -> _FirstSample | None:
+    """The scheduler's :class:`_FirstSample`, made on first use; None where the first sample in the step
+    is off for this scheduler (:func:`_first_sample_in_step`)."""
+    st = getattr(sched, "_fst_first_sample", False)
+    if st is False:
+        cfg = getattr(sched, "vllm_config", None)
+        sc = getattr(sched, "scheduler_config", None) or getattr(cfg, "scheduler_config", None)
+        pc = getattr(sched, "parallel_config", None) or getattr(cfg, "parallel_config", None)
+        ok = (pending.first_sample_enabled() and sc is not None and getattr(sc, "async_scheduling", True) is False
+              and cfg is not None and getattr(cfg, "speculative_config", True) is None
+              and getattr(pc, "pipeline_parallel_size", 2) == 1 and getattr(sched, "connector", True) is None)
+        st = _FirstSample() if ok else None
+        sched._fst_first_sample = st
+    return st
+
+
+def _drop_samples(model_runner_output: Any, req_ids: set) -> list[str]:
+    """Empty the sampled tokens of ``req_ids`` in a step's ``ModelRunnerOutput`` (``sampled_token_ids``:
+    one ``list[int]`` per request, by ``req_id_to_index``): vLLM's ``update_from_output`` then gives
+    them no token, no output and no grammar advance, as for a prefill chunk. Returns the ids whose sample
+    was dropped (a request absent from the output, e.g. aborted meanwhile, is skipped)."""
+    sampled = model_runner_output.sampled_token_ids
+    index = model_runner_output.req_id_to_index
+    dropped = []
+    for rid in req_ids:
+        i = index.get(rid)
+        if sampled and i is not None and i < len(sampled) and len(sampled[i]):
+            sampled[i] = []
+            dropped.append(rid)
+    return dropped
+
+
+def _take_back_last_token(sched: Any, req_ids: list[str]) -> None:
+    """After ``update_from_output``: the requests ``req_ids`` (their sample dropped) have their last
+    prompt token taken back (``num_computed_tokens - 1``), so the next step computes it again and samples
+    it; the worker drops its copy of the dropped token from the ``num_output_tokens`` it is sent then."""
+    n = 0
+    for rid in req_ids:
+        req = sched.requests.get(rid)
+        if req is not None and not req.is_finished() and req.num_computed_tokens > 0:
+            req.num_computed_tokens -= 1
+            n += 1
+    if n:
+        metric_inc("late_first_samples", n)
+
+
+def _first_sample_in_step(sched: Any, request: Any) -> bool:
+    """Whether ``request``, whose grammar is pending, is prefilled whole and sampled in the step its
+    grammar arrives in (:func:`_patch_scheduler`): the scheduler allows it and the request asks for no
+    prompt logprobs (a step whose sample is dropped must not have given them out)."""
+    sp = getattr(request, "sampling_params", None)
+    return (_first_sample_state(sched) is not None and sp is not None and sp.prompt_logprobs is None
+            and request.num_output_tokens == 0)
 
 
 def _ready_request_waits(sched: Any, request: Any) -> bool:

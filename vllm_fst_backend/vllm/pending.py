@@ -24,6 +24,7 @@ import os
 import secrets
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
@@ -320,6 +321,71 @@ def overlap_enabled() -> bool:
     """``$VLLM_FST_OVERLAP_COMPILE`` (default on): a request with a new constraint enters the engine while
     the API server compiles it; off: it waits for the compile check first."""
     return env_flag("VLLM_FST_OVERLAP_COMPILE", True)
+
+
+def first_sample_enabled() -> bool:
+    """``$VLLM_FST_FIRST_SAMPLE`` (default on): a pending request is prefilled whole, and its first token
+    is sampled in that step when its grammar arrives while the model computes the step (else that sample
+    is dropped and the last prompt token computed again); off: its last prompt token waits for the
+    grammar (docs/architecture.md, "Overlap of compile and prefill")."""
+    return env_flag("VLLM_FST_FIRST_SAMPLE", True)
+
+
+class StepClock:
+    """How long the engine core may wait for pending grammars inside a step without delaying it: the
+    scheduler asks for the step's bitmask right after it has handed the step to the model, so a wait
+    shorter than the model's forward pass costs nothing. Estimated from the last ``n`` steps (their
+    scheduled tokens and the time from that call to their output): ``share`` × the shortest recent step
+    that computed at least half as many tokens as this one (a step computing more tokens does not take
+    less time; a step with a whole prompt to prefill may wait longer than a decode step), else × the
+    shortest recent step; within ``[floor_s, cap_s]``; ``default_s`` before any step was timed."""
+
+    def __init__(self, n: int = 32, share: float = 0.9, floor_s: float = 0.001, cap_s: float = 0.5,
+                 default_s: float = 0.02):
+        self.steps: deque = deque(maxlen=n)  # (scheduled tokens, seconds)
+        self.share, self.floor_s, self.cap_s, self.default_s = share, floor_s, cap_s, default_s
+        self._started: tuple[int, float] | None = None
+
+    def start(self, num_tokens: int) -> None:
+        """The bitmask of a step computing ``num_tokens`` tokens is asked for (the model runs from now on)."""
+        self._started = (int(num_tokens), time.perf_counter())
+
+    def stop(self) -> None:
+        """The step's output arrived: record it."""
+        if self._started is not None:
+            n, t0 = self._started
+            self.steps.append((n, time.perf_counter() - t0))
+            self._started = None
+
+    def wait_s(self, num_tokens: int) -> float:
+        """Seconds a grammar may be waited for in a step computing ``num_tokens`` tokens (class docstring)."""
+        if not self.steps:
+            return self.default_s
+        alike = [s for n, s in self.steps if 2 * n >= num_tokens]
+        best = min(alike) if alike else min(s for _, s in self.steps)
+        return min(max(self.share * best, self.floor_s), self.cap_s)
+
+
+def await_grammars(futures: list[Future], timeout_s: float) -> list[bool]:
+    """Wait until every future in ``futures`` (:class:`PendingGrammar`) is done, at most ``timeout_s``
+    seconds in all (the GIL is released meanwhile: the watcher thread resolves them). Returns, per future,
+    whether it holds a grammar now (done and not a :class:`CompileRefused` or other exception result)."""
+    deadline = time.perf_counter() + max(timeout_s, 0.0)
+    for f in futures:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        try:
+            f.result(timeout=left)
+        except Exception:  # noqa: BLE001 - a timeout or a failed future: judged below
+            pass
+    out = []
+    for f in futures:
+        ok = False
+        if f.done() and not f.cancelled() and f.exception() is None:
+            ok = not isinstance(f.result(), BaseException)
+        out.append(ok)
+    return out
 
 
 def worth_overlapping(kind: str, spec: Any) -> bool:
