@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -131,3 +132,59 @@ def group_rss_bytes(pid: int) -> int:
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+# ---- checks of a server's outputs and metrics (shared by the e2e modules) --------------------------------
+
+
+def outputs_of(r, eos_ids) -> list[tuple[str, list[int]]]:
+    """(text, token ids without the final EOS) of every choice; each choice must have stopped."""
+    assert r.status_code == 200, r.text
+    outs = []
+    for c in r.json()["choices"]:
+        text = c["message"]["content"] if "message" in c else c["text"]
+        ids = c["token_ids"]
+        assert ids is not None, f"no token_ids in the response (return_token_ids): {c}"
+        assert c["finish_reason"] == "stop", f"did not stop ({c['finish_reason']}): {text!r} {ids}"
+        if ids and ids[-1] in eos_ids:
+            ids = ids[:-1]
+        assert not set(ids) & eos_ids, f"EOS inside the output: {ids}"
+        outs.append((text, ids))
+    return outs
+
+
+def assert_canonical(tok, text: str, ids: list[int]) -> None:
+    assert tok.decode(ids) == text, (text, ids)
+    canon = tok.encode(text, add_special_tokens=False)
+    assert ids == canon, (
+        f"non-canonical tokenization of {text!r}: got {[tok.decode([i]) for i in ids]} {ids}, "
+        f"canonical {[tok.decode([i]) for i in canon]} {canon}"
+    )
+
+
+def metrics(server) -> dict[str, float]:
+    import requests
+
+    out: dict[str, float] = {}
+    for line in requests.get(server.base + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            base = name.split("{", 1)[0]
+            out[base] = out.get(base, 0.0) + float(value)
+    return out
+
+
+def metrics_after(server, before: dict[str, float], finished: int) -> dict[str, float]:
+    """Metrics once ``finished`` more requests are recorded (the API server records a step's stats
+    after handing its outputs to the waiting requests, so a reply can come first)."""
+    key = "vllm:request_success_total"
+    deadline = time.monotonic() + 10
+    while True:
+        m = metrics(server)
+        if m.get(key, 0.0) - before.get(key, 0.0) >= finished or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def metric_delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)

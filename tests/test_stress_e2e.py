@@ -11,6 +11,12 @@ under ``MEMORY_BOUND`` above its level before the stress. Afterwards a normal re
 The server runs with the defaults of every limit (``compiler/limits.py``) and budget, and with
 ``VLLM_FST_FALLBACK=none`` (requests fst cannot express are a 400 here; the fallback itself is tested in
 ``test_vllm_e2e.py``).
+
+It is also the module's plain fst server (no forced-token proposer, the configuration a user starts by
+default), so the first sample in the step is checked here: requests whose constraints are still compiling
+are prefilled whole and sampled in the step their grammar comes in, or their sample is dropped and their
+last prompt token computed again (``vllm/patches.py``, ``_patch_scheduler``); the proposer's server of
+``test_vllm_e2e.py`` takes the other way (all of the prompt but its last token).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import time
 
 import pytest
 
-from server_testlib import e2e_opted_out, fst_server, group_rss_bytes
+from server_testlib import MODEL, assert_canonical, e2e_opted_out, fst_server, group_rss_bytes, metric_delta, metrics, metrics_after, outputs_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -154,4 +160,54 @@ def test_every_input_is_answered_within_budget_and_memory(server):
     # the server still serves a normal request, correctly
     r, _ = _chat(server, {"regex": "(Paris|London|Berlin)"}, max_tokens=8)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("Paris", "London", "Berlin")
+    assert requests.get(server.base + "/health", timeout=10).status_code == 200
+
+
+def test_new_constraints_are_sampled_in_the_step_their_grammar_arrives_in(server):
+    """Requests with new, heavy JSON schemas (bounded strings: tens of ms of compile each, queued in the
+    compile processes) and long distinct prompts enter the engine while their constraints compile: each is
+    prefilled whole; a sample whose grammar had not come by the end of its step is dropped and its last
+    prompt token computed again (``vllm_fst_late_first_samples_total``), the others sampled at once
+    (``vllm_fst_first_samples_in_step_total``). Every output is valid and canonical (a dropped token
+    never reaches the client, the grammar or the next step's input)."""
+    import jsonschema
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL))
+    eos_ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    r, _ = _chat(server, {"regex": "(yes|no)"})  # the request path warmed up
+    assert r.status_code == 200, r.text
+    before = metrics(server)
+    n = 6
+    schemas = [
+        {"type": "object", "properties": {f"item_{i}": {"type": "string", "maxLength": 20 + i},
+                                          "remark": {"type": "string", "maxLength": 180 + i},
+                                          "rank": {"type": "integer", "minimum": 1, "maximum": 9 + i}},
+         "required": [f"item_{i}", "rank"], "additionalProperties": False}
+        for i in range(n)
+    ]
+    preface = "You answer with one JSON object and nothing else. " * 30  # ~330 prompt tokens to prefill
+
+    def one(i: int):
+        body = {"model": server.model, "max_tokens": 256, "temperature": 0.0 if i % 2 else 1.0, "return_token_ids": True,
+                "messages": [{"role": "user", "content": f"Request {i} of {n}. " + preface + f"Give item_{i} and rank."}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}}
+        return requests.post(server.base + "/v1/chat/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(n) as ex:
+        results = list(ex.map(one, range(n)))
+    for i, res in enumerate(results):
+        for text, ids in outputs_of(res, eos_ids):
+            assert_canonical(tok, text, ids)
+            jsonschema.validate(json.loads(text), schemas[i])
+    after = metrics_after(server, before, n)
+    in_step = metric_delta(after, before, "vllm_fst_first_samples_in_step_total")
+    late = metric_delta(after, before, "vllm_fst_late_first_samples_total")
+    print(f"\nfirst samples: {in_step:.0f} in their step, {late:.0f} dropped (grammar late)")
+    assert metric_delta(after, before, "vllm_fst_pending_prefill_tokens_total") > 300 * 2
+    assert late >= 1  # the queued compiles end after their requests' first steps
+    assert in_step + late >= 2
     assert requests.get(server.base + "/health", timeout=10).status_code == 200

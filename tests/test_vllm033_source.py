@@ -669,3 +669,42 @@ def test_033_scheduler_ends_a_failed_pending_grammar_with_a_request_error():
     assert Scheduler._reserve_prefill_lookahead(sched, req, 10, 5) == 0
     err = sched.grammar_compile_error_reqs["r"]
     assert err.code == "validation_error" and "refused" in err.message
+
+
+def _lines(path: str, needle: str) -> list[str]:
+    return next(x for x in EXCERPTS["lines"] if x["path"] == path and needle in x["pattern"])["lines"]
+
+
+def test_033_keeps_what_the_first_sample_in_the_step_relies_on():
+    """The first sample in the step (``patches._patch_scheduler``) on 0.33: the synchronous engine step
+    still asks for the bitmask after handing the step to the model and before waiting for it; the
+    bitmask leaves out prefill chunks (how a late request is left out); ``update_from_output`` gives a
+    request with no sampled token no output and no grammar advance, and asserts that such a request has
+    no prompt logprobs (why requests asking for them keep the old way); the scheduler sends each running
+    request's ``num_output_tokens`` and the worker truncates its copy to it (how a dropped token leaves
+    the worker); the config fields the gate reads exist; CPU forces synchronous scheduling."""
+    step = excerpt("vllm/v1/engine/core.py", "EngineCore.step")
+    dispatch = step.index("self.model_executor.execute_model(scheduler_output, non_block=True)")
+    ask = step.index("self.scheduler.get_grammar_bitmask(scheduler_output)")
+    assert dispatch < ask < step.index("future.result()") < step.index("self.scheduler.update_from_output(")
+    bitmask = excerpt("vllm/v1/core/sched/scheduler.py", "Scheduler.get_grammar_bitmask")
+    assert params(def_node(bitmask)) == ["self", "scheduler_output"]
+    assert "and (req.use_structured_output and not req.is_prefill_chunk)" in bitmask
+    update = excerpt("vllm/v1/core/sched/scheduler.py", "Scheduler.update_from_output")
+    assert params(def_node(update)) == ["self", "scheduler_output", "model_runner_output"]
+    for needle in ("sampled_token_ids[req_index] if sampled_token_ids else []",
+                   "req_index = model_runner_output.req_id_to_index[req_id]",
+                   "if new_token_ids and not self.structured_output_manager.accept_tokens(",
+                   "new_token_ids or pooler_output is not None or stopped",
+                   "assert not prompt_logprobs_tensors"):
+        assert needle in update, needle
+    sched = _lines("vllm/v1/core/sched/scheduler.py", "num_output_tokens")
+    for needle in ("self.vllm_config = vllm_config", "self.scheduler_config = vllm_config.scheduler_config",
+                   "self.parallel_config = vllm_config.parallel_config", "self.connector = None",
+                   "num_output_tokens.append("):
+        assert needle in sched, needle
+    worker = _lines("vllm/v1/worker/gpu_model_runner.py", "num_output_tokens")
+    assert worker == ["num_output_tokens = req_data.num_output_tokens[i]",
+                      "elif num_output_tokens < len(req_state.output_token_ids):",
+                      "del req_state.output_token_ids[num_output_tokens:]"]
+    assert _lines("vllm/platforms/cpu.py", "async_scheduling") == ["scheduler_config.async_scheduling = False"]

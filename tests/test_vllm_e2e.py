@@ -30,6 +30,11 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 from server_testlib import MODEL, e2e_opted_out, fst_server, stack_problems
+from server_testlib import assert_canonical as _assert_canonical
+from server_testlib import metric_delta as _delta
+from server_testlib import metrics as _metrics
+from server_testlib import metrics_after as _metrics_after
+from server_testlib import outputs_of as _outputs
 
 K = 4  # num_speculative_tokens of the forced-token proposer
 QUESTION = "What is the capital of France?"
@@ -102,59 +107,6 @@ def _completion(server, extra: dict, prompt: str, max_tokens: int = 32, temperat
         **extra,
     }
     return _post(server, "/v1/completions", body)
-
-
-def _outputs(r, eos_ids) -> list[tuple[str, list[int]]]:
-    """(text, token ids without the final EOS) of every choice; each choice must have stopped."""
-    assert r.status_code == 200, r.text
-    outs = []
-    for c in r.json()["choices"]:
-        text = c["message"]["content"] if "message" in c else c["text"]
-        ids = c["token_ids"]
-        assert ids is not None, f"no token_ids in the response (return_token_ids): {c}"
-        assert c["finish_reason"] == "stop", f"did not stop ({c['finish_reason']}): {text!r} {ids}"
-        if ids and ids[-1] in eos_ids:
-            ids = ids[:-1]
-        assert not set(ids) & eos_ids, f"EOS inside the output: {ids}"
-        outs.append((text, ids))
-    return outs
-
-
-def _assert_canonical(tok, text: str, ids: list[int]) -> None:
-    assert tok.decode(ids) == text, (text, ids)
-    canon = tok.encode(text, add_special_tokens=False)
-    assert ids == canon, (
-        f"non-canonical tokenization of {text!r}: got {[tok.decode([i]) for i in ids]} {ids}, "
-        f"canonical {[tok.decode([i]) for i in canon]} {canon}"
-    )
-
-
-def _metrics(server) -> dict[str, float]:
-    import requests
-
-    out: dict[str, float] = {}
-    for line in requests.get(server.base + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            base = name.split("{", 1)[0]
-            out[base] = out.get(base, 0.0) + float(value)
-    return out
-
-
-def _metrics_after(server, before: dict[str, float], finished: int) -> dict[str, float]:
-    """Metrics once ``finished`` more requests are recorded (the API server records a step's stats
-    after handing its outputs to the waiting requests, so a reply can come first)."""
-    key = "vllm:request_success_total"
-    deadline = time.monotonic() + 10
-    while True:
-        m = _metrics(server)
-        if m.get(key, 0.0) - before.get(key, 0.0) >= finished or time.monotonic() > deadline:
-            return m
-        time.sleep(0.2)
-
-
-def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 # ---- (a) regex / choice / legacy / JSON: matching and canonical --------------------------------------------

@@ -62,6 +62,9 @@ EXCERPTS = [
     ("vllm/config/vllm.py", "VllmConfig._get_v2_model_runner_unsupported_features"),
     ("vllm/v1/core/sched/scheduler.py", "Scheduler._handle_blocked_waiting_request"),
     ("vllm/v1/core/sched/scheduler.py", "Scheduler._reserve_prefill_lookahead"),
+    ("vllm/v1/core/sched/scheduler.py", "Scheduler.get_grammar_bitmask"),
+    ("vllm/v1/core/sched/scheduler.py", "Scheduler.update_from_output"),
+    ("vllm/v1/engine/core.py", "EngineCore.step"),
     ("vllm/v1/engine/core.py", "EngineCore.preprocess_add_request"),
     ("vllm/v1/engine/core.py", "EngineCoreProc._handle_request_validation_error"),
     ("vllm/outputs.py", "RequestError"),
@@ -75,6 +78,12 @@ LINE_PATTERNS = [
     ("vllm/v1/worker/gpu_model_runner.py", r"custom_class|create_custom_proposer|drafter\.load_model"),
     ("vllm/v1/engine/core.py", r"except VLLMValidationError|_handle_request_validation_error\("),
     ("vllm/v1/engine/async_llm.py", r"except \(VLLMClientError"),
+    ("vllm/v1/core/sched/scheduler.py",
+     r"self\.(vllm_config|scheduler_config|parallel_config|connector) = |num_output_tokens\.append\("),
+    ("vllm/v1/worker/gpu_model_runner.py",
+     r"num_output_tokens = req_data\.num_output_tokens\[i\]|elif num_output_tokens < len\(req_state\.output_token_ids\)"
+     r"|del req_state\.output_token_ids\[num_output_tokens:\]"),
+    ("vllm/platforms/cpu.py", r"async_scheduling = False"),
 ]
 
 
