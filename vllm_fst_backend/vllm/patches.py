@@ -497,6 +497,7 @@ def _make_first_sample_bitmask(orig):
         if fs is None:
             return orig(self, scheduler_output)
         fs.clock.start(scheduler_output.total_num_scheduled_tokens)
+        fs.late.clear()  # (a step is asked for its bitmask once, then gives its output)
         late = []
         if scheduler_output.has_structured_output_requests and isinstance(
                 getattr(self.structured_output_manager, "backend", None), FstBackend):
