@@ -403,9 +403,11 @@ def test_fst_sequential_is_fst_without_the_overlap_and_serving_only():
     b = _bench()
     cmd = b.server_command("fst-sequential", 8790, 8, [])
     assert cmd[cmd.index("--structured-outputs-config.backend") + 1] == "fst" and "--speculative-config" not in cmd
-    assert b.parse_args(["--workloads", "serving", "--backends", "fst,fst-sequential"]).backends == ["fst", "fst-sequential"]
-    with pytest.raises(SystemExit):
-        b.parse_args(["--workloads", "mc", "--backends", "fst-sequential"])
+    assert b.parse_args(["--workloads", "serving", "--backends", "fst,fst-sequential,fst-early-prefill"]).backends == [
+        "fst", "fst-sequential", "fst-early-prefill"]
+    for extra in ("fst-sequential", "fst-early-prefill"):
+        with pytest.raises(SystemExit):
+            b.parse_args(["--workloads", "mc", "--backends", extra])
 
 
 def test_jump_targets_name_the_batch_ceiling_the_single_stream_rate_and_greedy_identity():
