@@ -425,3 +425,5 @@ def test_jump_targets_name_the_batch_ceiling_the_single_stream_rate_and_greedy_i
     assert "near-tie): pokedex 1 of 2 (fst: 2 distinct in 2) (NOT met)" in text
     rows[1]["greedy_ids"] = [[1, 4], [1, 2]]
     assert "near-tie): pokedex 2 of 2 (fst: 2 distinct in 2) (met)" in "\n".join(b.targets_text(rows, {}))
+    rows += [row("fst", "mc", 1.0, None, [[5], [6]]), row("fst-jump", "mc", 1.0, None, [[6], [5]])]  # per question
+    assert "near-tie): mc 0 of 2, pokedex 2 of 2 (fst: 2 distinct in 2) (NOT met)" in "\n".join(b.targets_text(rows, {}))
