@@ -420,7 +420,8 @@ def test_jump_targets_name_the_batch_ceiling_the_single_stream_rate_and_greedy_i
     rows = [row("fst", "pokedex", 500.0, 60.0, [[1, 2], [1, 4]]), row("fst-jump", "pokedex", 510.0, 150.0, [[1, 2], [1, 3]]),
             row("xgrammar", "pokedex", 500.0, 75.0, None), row("unconstrained", "pokedex", 520.0, None, None)]
     text = "\n".join(b.targets_text(rows, {}))
-    assert "n = 50 per request: 1.02× (NOT met; the model's own rate at this batch, unconstrained, is 1.04× xgrammar's)" in text
+    assert ("n = 50 per request: 1.02× (510.0 vs 500.0; the model's own rate, unconstrained, is 1.04× xgrammar's; "
+            "fst without jumps 1.00×) (NOT met)") in text
     assert "single stream (greedy, n = 1): 2.00× (150.0 vs 75.0; fst without jumps 0.80×) (met)" in text
     assert "near-tie): pokedex 1 of 2 (fst: 2 distinct in 2) (NOT met)" in text
     rows[1]["greedy_ids"] = [[1, 4], [1, 2]]
