@@ -647,8 +647,6 @@ def test_033_scheduler_ends_a_failed_pending_grammar_with_a_request_error():
     """0.33 keeps ``grammar_compile_error_reqs`` as request id -> ``RequestError`` (0.32: a set); the
     prefill-while-compiling patch writes either. Its waiting branch still holds a request whose grammar
     is None (an unresolved future), so without the patch a pending grammar simply waits."""
-    from concurrent.futures import Future
-
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output.request import StructuredOutputRequest
 

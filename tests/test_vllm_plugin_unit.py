@@ -1002,7 +1002,7 @@ def test_first_sample_in_the_step_waits_for_the_grammar_or_drops_the_sample(fake
     assert Scheduler._handle_blocked_waiting_request(sched, lp) is False and lp.status == blocked
     assert Scheduler._reserve_prefill_lookahead(sched, lp, 0, 50) == 49
 
-    ready = request("x", "ab", None)  # compiled: its grammar is there
+    request("x", "ab", None)  # compiled: its grammar is there
     t0 = time.perf_counter()
     got = step(["f1", "x"])
     waited = time.perf_counter() - t0
