@@ -192,18 +192,25 @@ def test_new_constraints_are_sampled_in_the_step_their_grammar_arrives_in(server
     preface = "You answer with one JSON object and nothing else. " * 30  # ~330 prompt tokens to prefill
 
     def one(i: int):
+        prompt = f"Request {i} of {n}. " + preface + f"Give item_{i} and rank."
+        if i == n - 1:  # the completions endpoint, two samples (two engine requests on one constraint)
+            body = {"model": server.model, "max_tokens": 256, "temperature": 1.0, "return_token_ids": True, "n": 2,
+                    "prompt": prompt + "\n", "structured_outputs": {"json": schemas[i]}}
+            return requests.post(server.base + "/v1/completions", json=body, timeout=120)
         body = {"model": server.model, "max_tokens": 256, "temperature": 0.0 if i % 2 else 1.0, "return_token_ids": True,
-                "messages": [{"role": "user", "content": f"Request {i} of {n}. " + preface + f"Give item_{i} and rank."}],
+                "messages": [{"role": "user", "content": prompt}],
                 "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}}
         return requests.post(server.base + "/v1/chat/completions", json=body, timeout=120)
 
     with ThreadPoolExecutor(n) as ex:
         results = list(ex.map(one, range(n)))
     for i, res in enumerate(results):
-        for text, ids in outputs_of(res, eos_ids):
+        outs = outputs_of(res, eos_ids)
+        assert len(outs) == (2 if i == n - 1 else 1)
+        for text, ids in outs:
             assert_canonical(tok, text, ids)
             jsonschema.validate(json.loads(text), schemas[i])
-    after = metrics_after(server, before, n)
+    after = metrics_after(server, before, n + 1)
     in_step = metric_delta(after, before, "vllm_fst_first_samples_in_step_total")
     late = metric_delta(after, before, "vllm_fst_late_first_samples_total")
     print(f"\nfirst samples: {in_step:.0f} in their step, {late:.0f} dropped (grammar late)")
