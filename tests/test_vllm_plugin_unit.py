@@ -930,7 +930,8 @@ def _first_sample_scheduler(**over):
     """A scheduler stand-in where the first sample in the step is on (synchronous scheduling, no
     speculative decoding, one pipeline stage, no KV connector); ``over`` replaces fields."""
     cfg = types.SimpleNamespace(speculative_config=None, scheduler_config=types.SimpleNamespace(async_scheduling=False),
-                                parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))
+                                parallel_config=types.SimpleNamespace(pipeline_parallel_size=1),
+                                structured_outputs_config=types.SimpleNamespace(backend="fst"))
     fields = dict(vllm_config=cfg, scheduler_config=cfg.scheduler_config, parallel_config=cfg.parallel_config,
                   connector=None, num_prefill_lookahead=0, block_size=16, need_mamba_block_aligned_split=False,
                   grammar_compile_error_reqs=set(), requests={})
@@ -941,11 +942,15 @@ def _first_sample_scheduler(**over):
 def test_first_sample_in_the_step_is_only_where_a_dropped_sample_can_be_taken_back(monkeypatch):
     """The whole-prompt prefill of a pending request needs vLLM's synchronous step (the bitmask is asked
     for while the model runs, the output comes before the next step is scheduled), no drafts, one
-    pipeline stage and no KV connector; ``VLLM_FST_FIRST_SAMPLE=0`` turns it off."""
+    pipeline stage and no KV connector, on a server of the fst backend (others' steps are not timed);
+    ``VLLM_FST_FIRST_SAMPLE=0`` turns it off."""
     assert patches._first_sample_state(_first_sample_scheduler()) is not None
     on = types.SimpleNamespace(pipeline_parallel_size=1)
     for over in (dict(scheduler_config=types.SimpleNamespace(async_scheduling=True)),
-                 dict(vllm_config=types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=4))),
+                 dict(vllm_config=types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=4),
+                                                        structured_outputs_config=types.SimpleNamespace(backend="fst"))),
+                 dict(vllm_config=types.SimpleNamespace(speculative_config=None,
+                                                        structured_outputs_config=types.SimpleNamespace(backend="xgrammar"))),
                  dict(parallel_config=types.SimpleNamespace(pipeline_parallel_size=2)),
                  dict(connector=object()),
                  dict(vllm_config=None, scheduler_config=None, parallel_config=on)):

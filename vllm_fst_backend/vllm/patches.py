@@ -436,14 +436,8 @@ def _patch_scheduler() -> None:
             so = request.structured_output_request
             slot = getattr(so, "_grammar", None) if so is not None else None
             if pending.is_pending(slot):
-                if _first_sample_in_step(self, request):
-                    # prefilled whole like a request whose grammar is ready (its first sample waits in the step)
-                    if _ready_request_waits(self, request):
-                        return False
-                    if request.status != RequestStatus.PREEMPTED:
-                        request.status = RequestStatus.WAITING
-                    return True
-                if not slot.waited_a_step:
+                whole = _first_sample_in_step(self, request)  # prefilled whole, its first sample waits in the step
+                if not whole and not slot.waited_a_step:
                     # its compile may well end before the next step: then its whole prompt is prefilled at
                     # once, without the extra step that an early prefill costs its last prompt token
                     slot.waited_a_step = True
@@ -451,13 +445,14 @@ def _patch_scheduler() -> None:
                     return False
                 if _ready_request_waits(self, request):
                     return False  # its prefill does not take the step's token budget from a ready request
-                if request.status == RequestStatus.PREEMPTED:  # keeps its status: it resumes
-                    return _may_prefill(self, request)
-                if _may_prefill(self, request):
+                preempted = request.status == RequestStatus.PREEMPTED  # keeps its status: it resumes
+                if not whole and not _may_prefill(self, request):
+                    if not preempted:
+                        request.status = blocked
+                    return False
+                if not preempted:
                     request.status = RequestStatus.WAITING  # admitted (vLLM admits WAITING or PREEMPTED)
-                    return True
-                request.status = blocked
-                return False
+                return True
             if request.status != blocked and failed(self, request, slot):
                 return False
             return orig(self, request)
@@ -499,8 +494,7 @@ def _make_first_sample_bitmask(orig):
         fs.clock.start(scheduler_output.total_num_scheduled_tokens)
         fs.late.clear()  # (a step is asked for its bitmask once, then gives its output)
         late = []
-        if scheduler_output.has_structured_output_requests and isinstance(
-                getattr(self.structured_output_manager, "backend", None), FstBackend):
+        if scheduler_output.has_structured_output_requests:
             cands = [req for rid in scheduler_output.num_scheduled_tokens
                      if (req := self.requests.get(rid)) is not None and req.use_structured_output
                      and not req.is_prefill_chunk and req.structured_output_request is not None
@@ -555,13 +549,16 @@ class _FirstSample:
 
 def _first_sample_state(sched: Any) -> _FirstSample | None:
     """The scheduler's :class:`_FirstSample`, made on first use; None where the first sample in the step
-    is off for this scheduler (:func:`_first_sample_in_step`)."""
+    is off for this scheduler (:func:`_first_sample_in_step`), and on servers of another backend (their
+    steps are not timed)."""
     st = getattr(sched, "_fst_first_sample", False)
     if st is False:
         cfg = getattr(sched, "vllm_config", None)
         sc = getattr(sched, "scheduler_config", None) or getattr(cfg, "scheduler_config", None)
         pc = getattr(sched, "parallel_config", None) or getattr(cfg, "parallel_config", None)
-        ok = (pending.first_sample_enabled() and sc is not None and getattr(sc, "async_scheduling", True) is False
+        so_cfg = getattr(cfg, "structured_outputs_config", None)
+        ok = (pending.first_sample_enabled() and getattr(so_cfg, "backend", None) == BACKEND_NAME
+              and sc is not None and getattr(sc, "async_scheduling", True) is False
               and cfg is not None and getattr(cfg, "speculative_config", True) is None
               and getattr(pc, "pipeline_parallel_size", 2) == 1 and getattr(sched, "connector", True) is None)
         st = _FirstSample() if ok else None

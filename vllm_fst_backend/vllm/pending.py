@@ -9,8 +9,9 @@ request entered the engine. Now the request enters at once and the check runs be
   ``<token>.refused`` (the request is cancelled there and answered with HTTP 400 or sent to the fallback).
 * Engine core (:class:`PendingWatcher`): a request carrying a live marker gets a :class:`PendingGrammar`
   future instead of a compile of its own; one thread polls the markers and resolves each future from the
-  disk cache once its marker is gone. The scheduler lets such a request prefill all of its prompt but the
-  last token meanwhile (``patches._patch_scheduler``), so the compile overlaps the prefill.
+  disk cache once its marker is gone. The scheduler lets such a request prefill meanwhile
+  (``patches._patch_scheduler``: its whole prompt, its first token sampled in the step its grammar comes
+  in; or all of its prompt but the last token), so the compile overlaps the prefill.
 * Jump proposer (:func:`wait_for_marker`): waits for the marker before it looks the automaton up.
 
 Source of the idea: vLLM keeps a request in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until its grammar is
@@ -391,8 +392,9 @@ def await_grammars(futures: list[Future], timeout_s: float) -> list[bool]:
 def worth_overlapping(kind: str, spec: Any) -> bool:
     """Whether a constraint's request should enter the engine before its compile ends: not for a quick
     one (a short regex or choice list, ``compiler.service`` "quick": a few ms of compile), which is
-    compiled before the engine's next step could start its prefill; overlapping it would only cost the
-    request one more step (its prompt's last token, computed once the grammar is there)."""
+    compiled before the engine's next step could start its prefill; overlapping it would only risk the
+    request one more step (its prompt's last token, computed again or for the first time once the grammar
+    is there)."""
     from vllm_fst_backend.compiler.service import QUICK_COST, cost_hint
 
     return not (kind in ("REGEX", "CHOICE") and cost_hint(kind, spec) <= QUICK_COST)
