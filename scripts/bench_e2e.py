@@ -71,11 +71,17 @@ from scripts.vllm_server import running_server  # noqa: E402
 MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 FST_PROPOSER = "vllm_fst_backend.vllm_plugin.FstForcedTokenProposer"
 ALL_BACKENDS = ("fst", "fst-jump", "xgrammar", "guidance", "outlines", "lm-format-enforcer", "unconstrained")
-# serving workload only, on request: fst with VLLM_FST_OVERLAP_COMPILE=0 (each request waits for its compile
-# check before it enters the engine), to measure what the overlap of compile and prefill gains; fst with
-# VLLM_FST_FIRST_SAMPLE=0 (a request prefills all of its prompt but the last token while its constraint
-# compiles), to measure what the first sample in the step gains
-EXTRA_SERVING_BACKENDS = ("fst-sequential", "fst-early-prefill")
+# serving workload only, on request: fst with one setting changed, to measure what a mechanism gains
+# (name: (the server's environment variable and value, what its rows show))
+EXTRA_SERVING_BACKENDS = {
+    "fst-sequential": (("VLLM_FST_OVERLAP_COMPILE", "0"),
+                       "a request with a new constraint enters the engine only once the API server's compile check "
+                       "has ended (the order before the overlap of compile and prefill, docs/architecture.md)"),
+    "fst-early-prefill": (("VLLM_FST_FIRST_SAMPLE", "0"),
+                          "a request whose constraint is still compiling prefills all of its prompt but the last "
+                          "token, which waits for the grammar and then takes a step of its own (the way before the "
+                          "first sample in the step, docs/architecture.md)"),
+}
 ALL_WORKLOADS = ("mc", "pokedex", "json")  # the default set; "serving" (below) is selected explicitly
 EXTRA_WORKLOADS = ("serving",)
 SECTION_TITLE = "End-to-end on a vLLM CPU server (SmolLM2-135M-Instruct): fidelity, canonicality, speed"
@@ -355,10 +361,9 @@ def vllm_server(
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), HF_HUB_OFFLINE="1")
     if backend.startswith("fst") and artifacts is not None:
         env["VLLM_FST_ARTIFACTS_DIR"] = str(artifacts)
-    if backend == "fst-sequential":
-        env["VLLM_FST_OVERLAP_COMPILE"] = "0"
-    if backend == "fst-early-prefill":
-        env["VLLM_FST_FIRST_SAMPLE"] = "0"
+    if backend in EXTRA_SERVING_BACKENDS:
+        var, value = EXTRA_SERVING_BACKENDS[backend][0]
+        env[var] = value
     with contextlib.ExitStack() as stack:
         if backend.startswith("fst"):
             # a fresh host-shared compile cache per server: every constraint is compiled in the run,
@@ -1626,19 +1631,9 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
             "again. The targets apply to the rows with new constraints only. Each fst server starts with an empty "
             "disk cache (a fresh `VLLM_FST_DISK_CACHE_DIR`)."
         )
-    if any(r["backend"] == "fst-sequential" for r in rows):
-        notes.append(
-            "Rows \"fst-sequential\": fst with `VLLM_FST_OVERLAP_COMPILE=0`: a request with a new constraint enters "
-            "the engine only once the API server's compile check has ended (the order before the overlap of compile "
-            "and prefill, docs/architecture.md); same constraints and prompts as the fst rows."
-        )
-    if any(r["backend"] == "fst-early-prefill" for r in rows):
-        notes.append(
-            "Rows \"fst-early-prefill\": fst with `VLLM_FST_FIRST_SAMPLE=0`: a request whose constraint is still "
-            "compiling prefills all of its prompt but the last token, which waits for the grammar and then takes a "
-            "step of its own (the way before the first sample in the step, docs/architecture.md); same constraints "
-            "and prompts as the fst rows."
-        )
+    for name, ((var, value), what) in EXTRA_SERVING_BACKENDS.items():
+        if any(r["backend"] == name for r in rows):
+            notes.append(f"Rows \"{name}\": fst with `{var}={value}`: {what}; same constraints and prompts as the fst rows.")
     split = serving_steady_split(rows)
     if split:
         notes.append(
@@ -1774,8 +1769,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--backends", default=None,
         help=f"comma list of {', '.join(ALL_BACKENDS)} (default: all; with --workloads serving alone: {','.join(SERVING_BACKENDS)}; "
-             "serving alone also takes fst-sequential: fst with VLLM_FST_OVERLAP_COMPILE=0, and fst-early-prefill: "
-             "fst with VLLM_FST_FIRST_SAMPLE=0)",
+             "serving alone also takes "
+             + ", ".join(f"{b}: fst with {v}={x}" for b, ((v, x), _) in EXTRA_SERVING_BACKENDS.items()) + ")",
     )  # fmt: skip
     ap.add_argument(
         "--workloads", default=",".join(ALL_WORKLOADS),
