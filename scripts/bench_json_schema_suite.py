@@ -9,8 +9,9 @@ and ``refRemote.json``, each reported in its own row: nothing is skipped) and ev
   (a named refusal -> "refused", counted by reason), then ``compile_regex`` (canonical, the server's
   budgets; a budget error -> "refused: budget"), then every test instance of the schema is walked through a
   fresh :class:`~vllm_fst_backend.runtime.FstMatcher`, token by token, then EOS: accepted iff every token
-  and EOS are accepted. The regex alone is also checked with Python's ``re.fullmatch`` on the same text;
-  a disagreement with the matcher is reported.
+  and EOS are accepted. The regex alone is also checked with a backtracking matcher (``regex.fullmatch``,
+  at most :data:`REGEX_CHECK_S` per instance: nested repetitions can take it exponential time) on the same
+  text; a disagreement with the matcher is reported.
 * **xgrammar**, **llguidance**, **outlines-core**: compiled the way vLLM 0.32 compiles a JSON-schema
   request for an explicitly chosen backend (default ``StructuredOutputsConfig``: any whitespace, additional
   properties as the schema says): the request validation vLLM runs in the API server
@@ -35,7 +36,12 @@ Outputs a table per backend and suite part, fst's refusals by reason, the valid 
 bugs: printed with the schema). ``--json-out`` writes everything per schema and instance; without
 ``--no-write`` the section "JSON Schema Test Suite" of docs/benchmarks.md is replaced.
 
-Usage: python scripts/bench_json_schema_suite.py [--json-out PATH] [--backends fst,xgrammar,llguidance,outlines]
+``--corpus DIR`` runs real-world schemas instead (MaskBench's file format, :func:`load_corpus`: JSONSchemaBench's
+``maskbench/data``, or a sample of it), one row per split, and replaces the section "Real-world JSON schemas
+(JSONSchemaBench sample)"; fst's rows there also give its time to an answer over all schemas (refusals
+included) and its compile memory (peak resident size of the worker over its size before the schema).
+
+Usage: python scripts/bench_json_schema_suite.py [--json-out PATH] [--corpus DIR] [--backends fst,xgrammar,llguidance,outlines]
        [--budget-s 4] [--jobs 2] [--max-minutes 14] [--only FILE[#i],...] [--no-write]
 """
 
@@ -66,6 +72,8 @@ DRAFT_URI = "https://json-schema.org/draft/2020-12/schema"
 VOCAB_SIZE = 49152  # config.json vocab_size: what vLLM's model_config.get_vocab_size() gives the backends
 ALL_BACKENDS = ("fst", "xgrammar", "llguidance", "outlines")
 PARTS = ("core", "refRemote", "optional", "optional/format")
+CORPUS_TITLE = "Real-world JSON schemas (JSONSchemaBench sample)"
+REGEX_CHECK_S = 5.0  # limit of the backtracking regex cross-check of one instance (s)
 PART_NOTE = {
     "core": "the top-level files except refRemote.json",
     "refRemote": "refRemote.json: remote $refs to http://localhost:1234/..., whose documents the suite keeps "
@@ -100,6 +108,7 @@ class Case:
     description: str
     schema: Any
     instances: list
+    source: str = "suite"  # "suite" (the official test suite) or "corpus" (--corpus: real-world schemas)
 
 
 def part_of(relpath: str) -> str:
@@ -117,6 +126,35 @@ def load_suite(suite_dir: Path = SUITE_DIR) -> list[Case]:
             insts = [Instance(t["description"], t["data"], bool(t["valid"])) for t in group["tests"]]
             cases.append(Case(f"{rel}#{i}", rel, part_of(rel), i, group["description"], group["schema"], insts))
     return cases
+
+
+def load_corpus(corpus_dir: Path) -> list[Case]:
+    """Real-world schemas in MaskBench's file format (JSONSchemaBench, ``maskbench/data/SPLIT---NAME.json``:
+    ``{"description", "schema", "tests": [{"description", "valid", "data"}, ...]}``), every ``*.json`` file of
+    ``corpus_dir`` sorted by name; the part of a case is its split (the name before ``---``; else its leading
+    letters: ``BFCL_java_0.json`` -> BFCL).
+
+    Raises:
+        FileNotFoundError: ``corpus_dir`` holds no ``*.json`` file.
+    """
+    paths = sorted(Path(corpus_dir).glob("*.json"))
+    if not paths:
+        raise FileNotFoundError(f"no *.json file in {corpus_dir}")
+    cases = []
+    for path in paths:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        # (BFCL's files have no split prefix: BFCL_java_0.json)
+        split = path.stem.split("---")[0] if "---" in path.stem else re.match(r"[A-Za-z]*", path.stem).group() or "other"
+        insts = [Instance(t.get("description", ""), t["data"], bool(t["valid"])) for t in doc.get("tests", [])]
+        cases.append(Case(path.name, path.name, split, 0, doc.get("description", path.stem), doc["schema"], insts,
+                          source="corpus"))
+    return cases
+
+
+def parts_of(cases: list[Case]) -> tuple:
+    """The parts present in ``cases``: the suite's in :data:`PARTS` order, then the others sorted."""
+    present = {c.part for c in cases}
+    return tuple(p for p in PARTS if p in present) + tuple(sorted(present - set(PARTS)))
 
 
 def _pointer(root: Any, ref: str) -> Any:
@@ -311,7 +349,9 @@ def smaller_language_rule(case: Case, inst: Instance) -> str | None:
       always applies every draft 2020-12 keyword;
     * ``format-subset``: a string governed by ``format`` ``date-time`` / ``time`` with a lower-case ``t`` /
       ``z``, a leap second (``:60``) or a fraction of more than 9 digits; ``email`` with a quoted local part
-      (``"``), an address literal (``[``) or a domain without a dot -- fst's documented format subsets;
+      (``"``), an address literal (``[``) or a domain without a dot; ``uri`` / ``uri-reference`` / ``iri`` /
+      ``iri-reference`` without ``scheme://``, with user info (``@``) or an IP literal (``[``) in the
+      authority, or with a non-ASCII character -- fst's documented format subsets;
     * ``pattern-classes``: a string governed by a ``pattern`` that uses ``\d`` ``\w`` ``\s`` ``\D``
       ``\S``, ``.`` or a negated class, holding a character outside printable ASCII or one JSON escapes
       (fst: those classes are ASCII / exclude all Unicode digits and spaces, escaped characters and
@@ -333,9 +373,9 @@ def smaller_language_rule(case: Case, inst: Instance) -> str | None:
     """
     from vllm_fst_backend.compiler import json_schema as js
 
-    if case.file == "format.json" and isinstance(inst.data, str):
+    if case.source == "suite" and case.file == "format.json" and isinstance(inst.data, str):
         return "format-annotation"
-    if isinstance(case.schema, dict) and case.schema.get("$schema", DRAFT_URI) != DRAFT_URI:
+    if case.source == "suite" and isinstance(case.schema, dict) and case.schema.get("$schema", DRAFT_URI) != DRAFT_URI:
         return "custom-metaschema"
     if inst.note == "surrogate escape":
         return "surrogate-escape"
@@ -400,6 +440,10 @@ class _Rules(_Orderer):
                 local, _, domain = value.rpartition("@")
                 if '"' in local or domain.startswith("[") or "." not in domain:
                     self.found.append("format-subset")
+            if fmt in ("uri", "uri-reference", "iri", "iri-reference"):
+                m = re.match(r"[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)", value)
+                if not m or "@" in m.group(1) or "[" in m.group(1) or re.search(r"[^\x00-\x7f]", value):
+                    self.found.append("format-subset")
             pat = s.get("pattern")
             if isinstance(pat, str) and _PATTERN_CLASS.search(pat) and _NON_PLAIN.search(value):
                 self.found.append("pattern-classes")
@@ -452,6 +496,35 @@ def fst_reason(e: Exception) -> str:
     return f"{type(e).__name__}: {msg[:80]}"
 
 
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak resident size (Linux ``clear_refs`` 5) and return its resident size (kB);
+    0 where /proc is not there."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kb("VmRSS")
+    except OSError:
+        return 0
+
+
+def _peak_rss_mb(rss0_kb: int) -> float | None:
+    """Peak resident size since :func:`_reset_peak_rss` less the resident size then (MB), or None."""
+    if not rss0_kb:
+        return None
+    try:
+        return max(0, _status_kb("VmHWM") - rss0_kb) / 1024
+    except OSError:
+        return None
+
+
 class FstRunner:
     name = "fst"
 
@@ -471,24 +544,29 @@ class FstRunner:
         from vllm_fst_backend.errors import FstBackendError
 
         forget_verdicts(self.arts)  # cold, as the other backends' cleared caches
+        rss0 = _reset_peak_rss()
         t0 = time.perf_counter()
         try:
             regex = json_schema_to_regex(schema_text, deadline=t0 + self.budget_s)
         except FstBackendError as e:
             return None, {"status": "refused", "stage": "convert", "reason": fst_reason(e), "message": str(e)[:300],
-                          "convert_s": time.perf_counter() - t0}
+                          "convert_s": time.perf_counter() - t0, "answer_s": time.perf_counter() - t0,
+                          "peak_mb": _peak_rss_mb(rss0)}
         t1 = time.perf_counter()
         try:
             compiled = compile_regex(regex, self.arts, self.opts, budgets=self.budgets)
         except FstBackendError as e:
             return None, {"status": "refused", "stage": "compile", "reason": fst_reason(e), "message": str(e)[:300],
-                          "convert_s": t1 - t0, "regex_chars": len(regex)}
+                          "convert_s": t1 - t0, "regex_chars": len(regex), "answer_s": time.perf_counter() - t0,
+                          "peak_mb": _peak_rss_mb(rss0)}
         t2 = time.perf_counter()
         info = {"status": "compiled", "convert_s": t1 - t0, "compile_s": t2 - t0, "regex_chars": len(regex),
-                "mode": getattr(compiled, "mode", "")}
+                "mode": getattr(compiled, "mode", ""), "peak_mb": _peak_rss_mb(rss0), "answer_s": t2 - t0}
+        import regex as regex_module  # (third-party ``regex``: a match with a timeout, unlike ``re``)
+
         try:
-            pyre = re.compile(regex)
-        except re.error as e:
+            pyre = regex_module.compile(regex)
+        except regex_module.error as e:
             pyre = None
             info["python_re_error"] = str(e)
         return (compiled, pyre), info
@@ -507,7 +585,11 @@ class FstRunner:
             ok, at = False, len(inst["ids"])
         out = {"accepted": ok, "rejected_at": at}
         if pyre is not None:
-            out["regex"] = pyre.fullmatch(inst["text"]) is not None
+            # a backtracking matcher can take exponential time on a JSON-schema regex (nested repetitions): bounded
+            try:
+                out["regex"] = pyre.fullmatch(inst["text"], timeout=REGEX_CHECK_S) is not None
+            except TimeoutError:
+                out["regex_timeout"] = True
         return out
 
 
@@ -897,7 +979,7 @@ def _pct(xs: list[float], q: float) -> float:
 def summarize(cases: list[Case], results: dict, backend: str, parts=None) -> dict:
     """Counts for one backend over the cases of ``parts`` (None: all)."""
     s = dict(schemas=0, compiled=0, refused=0, budget=0, error=0, not_run=0, valid=0, valid_acc=0, invalid=0,
-             invalid_acc=0, compile_s=[], reasons={}, regex_disagree=0)
+             invalid_acc=0, compile_s=[], reasons={}, regex_disagree=0, regex_timeouts=0)
     for c in cases:
         if parts is not None and c.part not in parts:
             continue
@@ -916,6 +998,7 @@ def summarize(cases: list[Case], results: dict, backend: str, parts=None) -> dic
                     s["invalid_acc"] += bool(v["accepted"])
                 if "regex" in v and v["regex"] != v["accepted"]:
                     s["regex_disagree"] += 1
+                s["regex_timeouts"] += bool(v.get("regex_timeout"))
         elif st == "refused":
             s["refused"] += 1
             s["budget"] += r.get("reason", "").startswith("budget")
@@ -932,12 +1015,12 @@ def _ms(x: float) -> str:
     return "–" if x != x else (f"{1e3 * x:.0f}" if x >= 0.01 else f"{1e3 * x:.1f}")
 
 
-def table(cases: list[Case], results: dict, backends: list[str]) -> str:
-    lines = ["| backend | suite part | schemas | compiled (accepted) | refused (of which budget) | errors / not run | "
+def table(cases: list[Case], results: dict, backends: list[str], part_label: str = "suite part") -> str:
+    lines = [f"| backend | {part_label} | schemas | compiled (accepted) | refused (of which budget) | errors / not run | "
              "valid instances accepted | **invalid instances wrongly accepted** | compile ms p50 / p90 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for b in backends:
-        for label, parts in [("all", None)] + [(p, {p}) for p in PARTS]:
+        for label, parts in [("all", None)] + [(p, {p}) for p in parts_of(cases)]:
             s = summarize(cases, results[b], b, parts)
             if not s["schemas"]:
                 continue
@@ -999,6 +1082,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
+    ap.add_argument("--corpus", default=None, metavar="DIR",
+                    help="real-world schemas in MaskBench's format (a folder of SPLIT---NAME.json files, e.g. "
+                         "maskbench/data of github.com/guidance-ai/jsonschemabench) instead of the test suite; "
+                         "writes the section \"%s\"" % CORPUS_TITLE)
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     deadline = t_start + 60.0 * args.max_minutes
@@ -1008,7 +1095,7 @@ def main(argv=None) -> int:
         with lock:
             print(f"[{time.monotonic() - t_start:6.1f} s] {msg}", flush=True)
 
-    cases = load_suite()
+    cases = load_corpus(Path(args.corpus)) if args.corpus else load_suite()
     if args.only:
         keys = set(args.only.split(","))
         cases = [c for c in cases if c.file in keys or c.cid in keys]
@@ -1039,7 +1126,7 @@ def main(argv=None) -> int:
     results = {b: runs[b].results for b in backends}
     total_s = time.monotonic() - t_start
 
-    tbl = table(cases, results, backends)
+    tbl = table(cases, results, backends, "split" if args.corpus else "suite part")
     print(tbl)
     fst = fst_details(cases, results["fst"]) if "fst" in results else None
     fst_sum = summarize(cases, results["fst"], "fst") if "fst" in results else None
@@ -1057,8 +1144,10 @@ def main(argv=None) -> int:
         lines.append(f"fst invalid instances accepted: {len(fst['invalid_accepted'])}" + (": " + "; ".join(
             f"`{x['case']}` ({x['schema_description']}): {x['instance']}, `{x['text']}`"
             for x in fst["invalid_accepted"]) if fst["invalid_accepted"] else "") + ".")
-        lines.append(f"fst regex (Python `re.fullmatch`) vs token-level matcher disagreements: "
-                     f"{len(fst['regex_matcher_disagreements'])}.")
+        lines.append(f"fst regex (backtracking `regex.fullmatch`) vs token-level matcher disagreements: "
+                     f"{len(fst['regex_matcher_disagreements'])}" + (
+                         f" ({fst_sum['regex_timeouts']} instances not cross-checked: the backtracking match ran "
+                         f"over {REGEX_CHECK_S:g} s)" if fst_sum["regex_timeouts"] else "") + ".")
         if fst["invalid_accepted"]:
             print("\nfst INVALID INSTANCES ACCEPTED (converter bugs):")
             for b in fst["invalid_accepted"]:
@@ -1079,7 +1168,7 @@ def main(argv=None) -> int:
             "date": _dt.date.today().isoformat(), "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "budget_s": args.budget_s, "total_s": total_s,
             "backends": {b: {"summary": {p: {k: v for k, v in summarize(cases, results[b], b, None if p == "all" else {p}).items()
-                                             if k != "compile_s"} for p in ("all",) + PARTS},
+                                             if k != "compile_s"} for p in ("all",) + parts_of(cases)},
                              "init_s": runs[b].init_s, "restarts": runs[b].restarts, "wall_s": runs[b].wall_s}
                          for b in backends},
             "fst_details": fst,
@@ -1098,6 +1187,9 @@ def main(argv=None) -> int:
     from scripts.bench_common import write_section
 
     cmd = "python scripts/bench_json_schema_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.corpus:
+        write_section(CORPUS_TITLE, cmd.strip(), tbl, corpus_note(cases, results, others, lines, args, total_s))
+        return 0
     n_by_part = {p: sum(1 for c in cases if c.part == p) for p in PARTS}
     note = "\n\n".join([
         f"Suite: JSON-Schema-Test-Suite draft 2020-12 as vendored in `tests/data/json_schema_test_suite` "
@@ -1129,6 +1221,48 @@ def main(argv=None) -> int:
     ])
     write_section("JSON Schema Test Suite", cmd.strip(), tbl, note)
     return 0
+
+
+def corpus_note(cases: list[Case], results: dict, others: dict, fst_lines: list, args, total_s: float) -> str:
+    """The notes under the corpus table: the sample, fst's time to an answer and compile memory, refusals."""
+    n_inst = sum(len(c.instances) for c in cases)
+    by_split = {p: sum(1 for c in cases if c.part == p) for p in parts_of(cases)}
+    out = [
+        f"Sample: {len(cases)} schemas ({', '.join(f'{p} {n}' for p, n in by_split.items())}) with {n_inst} test "
+        "instances, files `maskbench/data/SPLIT---NAME.json` of JSONSchemaBench (github.com/guidance-ai/jsonschemabench: "
+        "real-world schemas from GitHub, Kubernetes, Snowplow, JSON Schema Store, the Washington Post's ANS, MCP "
+        "and function-calling sets (Glaive, BFCL), with valid and invalid instances generated for them and checked "
+        "by the Python and Rust `jsonschema` libraries); not vendored here: the names are in the JSON output "
+        "(`--json-out`), run it on a clone with `--corpus <clone>/maskbench/data`. Instances, compile and budget "
+        f"as in the section \"JSON Schema Test Suite\" (budget {args.budget_s:g} s); the suite's two "
+        "suite-only rules (format-annotation, custom-metaschema) do not apply here, so valid instances of older "
+        "drafts that fst rejects are counted by the other rules or as UNEXPLAINED. "
+        f"Whole run {total_s / 60:.1f} min on a {os.cpu_count()}-CPU host.",
+    ]
+    if "fst" in results:
+        res = results["fst"]
+        ans = [r["answer_s"] for r in res.values() if "answer_s" in r]
+        mem = [r["peak_mb"] for r in res.values() if r.get("peak_mb") is not None]
+        slow = sorted(((r["answer_s"], cid) for cid, r in res.items() if "answer_s" in r), reverse=True)[:3]
+        heavy = sorted(((r["peak_mb"], cid) for cid, r in res.items() if r.get("peak_mb") is not None), reverse=True)[:3]
+        if ans:
+            out.append(
+                f"fst time to an answer (compiled or a named refusal; conversion + compile, one worker process, "
+                f"cold), over all {len(ans)} schemas, ms p50 / p90 / max: {_ms(_pct(ans, 0.5))} / {_ms(_pct(ans, 0.9))}"
+                f" / {_ms(max(ans))}; slowest: " + ", ".join(f"`{c}` {_ms(a)}" for a, c in slow) + ". "
+                + (f"Compile memory (peak resident size of the worker over its size before the schema), MB p50 / "
+                   f"max: {_pct(mem, 0.5):.0f} / {max(mem):.0f}; largest: " +
+                   ", ".join(f"`{c}` {m:.0f}" for m, c in heavy) + "." if mem else ""))
+    out.append(" ".join(fst_lines))
+    if others:
+        out.append("Other backends, refusals by reason (top 6): " + "; ".join(
+            f"{b}: " + ", ".join(f"{k} {v}" for k, v in sorted(summarize(cases, results[b], b)["reasons"].items(),
+                                                                key=lambda kv: (-kv[1], kv[0]))[:6])
+            for b in others) + ". Invalid instances they accept (top 8 schemas): " + "; ".join(
+            f"{b}: " + (", ".join(f"`{f}` {n}" for f, n in sorted(_count_files(others[b]).items(),
+                                                                  key=lambda kv: (-kv[1], kv[0]))[:8]) or "none")
+            for b in others) + ".")
+    return "\n\n".join(x for x in out if x)
 
 
 def _count_files(items: list) -> dict:

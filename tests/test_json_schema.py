@@ -462,12 +462,52 @@ def test_formats(fmt, good, bad):
         assert not c.fullmatch(compact(s)), s
 
 
-@pytest.mark.parametrize("fmt", ["uri", "hostname", "ipv6", "duration", "regex", "idn-email", "password"])
+# RFC 3986 Appendix A, written out independently of the converter: URI = scheme ":" hier-part ["?" query]
+# ["#" fragment] (IP literals left out: the converter never emits one)
+_RFC_PCHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})"
+_RFC3986_URI = re.compile(
+    r"[A-Za-z][A-Za-z0-9+\-.]*:"
+    rf"(?://(?:(?:[A-Za-z0-9\-._~!$&'()*+,;=:]|%[0-9A-Fa-f]{{2}})*@)?(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%[0-9A-Fa-f]{{2}})*"
+    rf"(?::[0-9]*)?(?:/{_RFC_PCHAR}*)*|/(?:{_RFC_PCHAR}+(?:/{_RFC_PCHAR}*)*)?|{_RFC_PCHAR}+(?:/{_RFC_PCHAR}*)*|)"
+    rf"(?:\?(?:{_RFC_PCHAR}|[/?])*)?(?:#(?:{_RFC_PCHAR}|[/?])*)?")
+
+
+@pytest.mark.parametrize("fmt", ["uri", "uri-reference", "iri", "iri-reference"])
+def test_format_uri_is_an_rfc3986_subset(fmt):
+    rx = json_schema_to_regex({"type": "string", "format": fmt})
+    c = re.compile(rx)
+    for text in sample(rx, 300, seed=3):
+        assert _RFC3986_URI.fullmatch(json.loads(text)), text
+    for good in ["http://example.com", "https://a.b:8080/x/y?q=1&r=%20#frag", "ftp://h/", "file:///etc/x",
+                 "s3+x-y.z://bucket/key;v=1"]:
+        assert c.fullmatch(json.dumps(good)) and _RFC3986_URI.fullmatch(good), good
+    for bad in ["//foo.bar/?baz=qux#quux", "http:// x.com", ":// should fail", "bar,baz:foo", "http://é.com",
+                "http://a.com/%zz", "1http://a", "http://a.com/<x>", 'http://a"b']:
+        assert not c.fullmatch(json.dumps(bad, ensure_ascii=False)), bad
+
+
+def test_pattern_identity_escapes():
+    # \# \: \@ ... are the characters themselves (ECMA-262 identity escapes; Python reads them alike)
+    c = re.compile(json_schema_to_regex({"type": "string", "pattern": r"^a\#b\:c\@d\"e$"}))
+    assert c.fullmatch(compact('a#b:c@d"e')) and not c.fullmatch(compact("a#b:c@de"))
+    assert re.fullmatch(r"a\#b\:c\@d\"e", 'a#b:c@d"e')
+
+
+@pytest.mark.parametrize("fmt", ["hostname", "ipv6", "duration", "regex", "idn-email", "color", "host-name"])
 def test_other_formats_refused(fmt):
     with pytest.raises(UnsupportedSchemaError) as ei:
         json_schema_to_regex({"type": "string", "format": fmt})
     assert ei.value.keyword == "format" and fmt in str(ei.value)
     assert json_schema_to_regex({"type": "integer", "format": fmt})  # format only constrains strings
+
+
+@pytest.mark.parametrize("fmt", ["password", "int32", "byte", "binary", "url"])
+def test_formats_no_draft_defines_are_annotations(fmt):
+    # jsonschema's checkers (every draft's) know none of these: any string is valid, so any string is emitted
+    schema = {"type": "string", "format": fmt}
+    assert json_schema_to_regex(schema) == json_schema_to_regex({"type": "string"})
+    checker = Draft202012Validator.FORMAT_CHECKER
+    assert fmt not in checker.checkers and Draft202012Validator(schema, format_checker=checker).is_valid("?? x")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -607,12 +647,41 @@ def test_invalid_schemas(schema, keyword):
         json_schema_to_regex([1, 2])
 
 
-def test_unknown_keywords_refused_with_pointer_annotations_ignored():
+def test_unknown_keywords_ignored_older_drafts_refused_with_pointer():
+    # keywords no draft defines (vendor extensions, OpenAPI's, typos) have no effect on validity
+    plain = {"type": "object", "properties": {"a": {"type": "string"}, "n": {"type": "integer"}}, "required": ["a"]}
+    noisy = {"type": "object", "@context": "x", "x-order": 1, "categories": ["c"],
+             "properties": {"a": {"type": "string", "nullable": True, "example": "e", "_uniqueItems": True},
+                            "n": {"type": "integer", "format": "int32", "jsonrpc": {"type": "string"}}},
+             "required": ["a"]}
+    assert json_schema_to_regex(noisy) == json_schema_to_regex(plain)
+    # the same for jsonschema: an instance the unknown keywords would seem to forbid is valid
+    c = re.compile(json_schema_to_regex(noisy))
+    assert c.fullmatch('{"a":"x","n":2}') and Draft202012Validator(noisy).is_valid({"a": "x", "n": 2})
+    # draft 4-6 ``id``: the root's base URI and plain-name anchors are read as such; a resource of its own is not
+    assert json_schema_to_regex({"id": "http://example.com/s.json", "type": "object", "properties": {
+        "a": {"id": "#a", "type": "integer"}}}) == json_schema_to_regex(
+        {"type": "object", "properties": {"a": {"type": "integer"}}})
     with pytest.raises(UnsupportedSchemaError) as ei:
-        json_schema_to_regex({"type": "object", "properties": {"a": {"type": "string", "nullable": True}}})
-    assert ei.value.keyword == "nullable" and ei.value.pointer == "/properties/a" and "#/properties/a" in str(ei.value)
-    for kw in ("dependencies", "additionalItems", "patternProperties", "propertyNames", "$dynamicRef"):
-        value = {"$dynamicRef": "#x", "propertyNames": {"maxLength": 3}}.get(kw, {"x": {"type": "string"}})
+        json_schema_to_regex({"type": "object", "properties": {"a": {"id": "http://x/a.json", "type": "integer"}}})
+    assert ei.value.keyword == "id" and ei.value.pointer == "/properties/a" and "#/properties/a" in str(ei.value)
+    # formats no draft defines are annotations; an older draft's format name is refused, not ignored
+    assert json_schema_to_regex({"type": "string", "format": "byte"}) == json_schema_to_regex({"type": "string"})
+    for fmt in ("host-name", "hostname", "ipv6"):
+        with pytest.raises(UnsupportedSchemaError) as ei:
+            json_schema_to_regex({"type": "string", "format": fmt})
+        assert ei.value.keyword == "format"
+    # ``dependencies`` is read as 2020-12's dependentRequired / dependentSchemas (here: one that always holds)
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    assert json_schema_to_regex(dict(closed, dependencies={"a": ["b"], "zz": {"type": "string"}})) == \
+        json_schema_to_regex(closed)
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        json_schema_to_regex({"type": "object", "dependencies": {"x": ["y"]}})
+    assert ei.value.keyword == "dependentRequired" and "'x'" in str(ei.value)
+    for kw in ("additionalItems", "patternProperties", "propertyNames", "$dynamicRef", "divisibleBy"):
+        value = {"$dynamicRef": "#x", "propertyNames": {"maxLength": 3}, "divisibleBy": 2}.get(
+            kw, {"x": {"type": "string"}})
         sch = {"type": "object", kw: value}
         with pytest.raises(UnsupportedSchemaError) as ei:
             json_schema_to_regex(sch)

@@ -24,7 +24,8 @@ Enforced exactly:
   match the JSON-escaped text, see below); ``format`` ``date`` (month lengths, Feb 29 only in leap
   years, years 0001-9999), ``time`` and ``date-time`` (RFC 3339 with a required offset; enforced even
   where ``jsonschema`` lacks its optional RFC 3339 checker), ``uuid``, ``ipv4`` (octets 0-255, no leading
-  zeros), ``email`` (a dot-atom subset of what ``jsonschema`` accepts); ``pattern`` or ``format``
+  zeros), ``email`` (a dot-atom subset of what ``jsonschema`` accepts), ``uri`` / ``uri-reference`` /
+  ``iri`` / ``iri-reference`` (an RFC 3986 subset, below); ``pattern`` or ``format``
   together with a length bound only when every match satisfies the bound;
 * integers: ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (any numbers;
   float bounds rounded inwards) as an exact digit-range regex; ``multipleOf`` 1, 2, 5 or 10;
@@ -35,7 +36,8 @@ Enforced exactly:
   absent, a no-op when it is present; next to ``anyOf`` it sees one alternative's properties at a time,
   a smaller language), ``maxProperties: 0``, ``minProperties: 1``;
   ``propertyNames``, other ``minProperties`` / ``maxProperties``, ``dependentRequired``,
-  ``dependentSchemas`` and ``patternProperties: {}`` only when they always hold;
+  ``dependentSchemas`` (and the older drafts' ``dependencies``, read as these two) and
+  ``patternProperties: {}`` only when they always hold;
 * arrays: ``items`` (schema or ``false``), ``prefixItems``, ``minItems``, ``maxItems``,
   ``unevaluatedItems`` (as ``items`` when that is absent); ``uniqueItems`` when ``maxItems <= 1`` or the
   items are a single ``const``;
@@ -59,18 +61,23 @@ Ignored (annotations, no effect on validity): ``title``, ``description``, ``defa
 ``$anchor`` / ``$dynamicAnchor`` (references to anchors are refused), ``$vocabulary``, ``$defs`` /
 ``definitions`` (read through ``$ref``), ``$id`` at the root, ``discriminator`` (an OpenAPI hint next to
 ``oneOf``, which is enforced), ``then`` / ``else`` without ``if``, ``minContains`` / ``maxContains``
-without ``contains``.
+without ``contains``; every keyword no draft defines (vendor extensions and typos: ``nullable``,
+``example``, ``x-...``, ``@context``; draft 2020-12 collects unknown keywords as annotations and
+``jsonschema`` ignores them); ``format`` values no draft defines (OpenAPI's ``int32``, ``byte``,
+``password``, ...: annotations to every validator); drafts 4-6's ``id`` at the root or as a plain-name
+anchor (``"#name"``).
 
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
 (other than ``false``), ``if``, ``contains``, non-empty ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
-non-integer number bounds, ``format`` other than the six above, ``pattern`` constructs whose ECMA-262
+non-integer number bounds, other ``format`` values a draft defines (``hostname``, ``ipv6``, ``duration``,
+draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
 and Python meanings differ or that our parser lacks (``\\W``, ``(?...)`` other than ``(?:``, ``{,n}``,
 ``[]``, lookaround, backreferences, ``\\b``, ``\\p{..}``, ``\\D`` / ``\\S`` inside a class), ``pattern``
 with ``format``, ``uniqueItems`` beyond the cases above, the object keywords above when they do not
 always hold, ``oneOf`` not provably disjoint, ``allOf`` / sibling merges that interact, keywords of older
-drafts (``dependencies``, ``additionalItems``, ``items`` as an array, boolean ``exclusiveMinimum``, ...),
-and any unknown keyword (never silently ignored). A recursive ``$ref`` (a target reachable from itself)
+drafts (``additionalItems``, ``items`` as an array, boolean ``exclusiveMinimum``, ``id`` below the root
+naming a resource of its own, ...). A recursive ``$ref`` (a target reachable from itself)
 is refused with ``regular=False``: the language is not regular, a fallback backend may serve it.
 
 Other errors: :class:`~vllm_fst_backend.errors.InvalidSchemaError` (malformed schema: wrong value types,
@@ -100,7 +107,9 @@ Smaller language (documented choices; valid instances outside the regex are neve
   intersection of the ECMA-262 and Python meanings); ``$`` does not match before a final newline;
 * formats: ``T`` and ``Z`` upper case, seconds ``00``-``59`` (no leap second), fractions of 1-9 digits;
   ``email`` is ``dot-atom@domain`` with at least one dot in the domain (no quoted local parts, no
-  address literals); ``uuid`` is the 8-4-4-4-12 hex form;
+  address literals); ``uuid`` is the 8-4-4-4-12 hex form; ``uri`` and its relatives are
+  ``scheme://host[:port]path[?query][#fragment]`` in RFC 3986's ASCII characters with percent escapes
+  (no user info, IP literal, URI without ``//``, relative reference or non-ASCII IRI);
 * integers: no exponent and no fraction (``1.0`` and ``1e2`` are integers to JSON Schema), and
   ``enum`` / ``const`` numbers only in their own spelling (``1`` for 1, not ``1.0``); numbers with a
   bound or ``multipleOf``: no exponent, ``-0`` excluded; with ``multipleOf``: integers only; with an
@@ -204,8 +213,24 @@ _OBJECT_KW = frozenset({"properties", "required", "additionalProperties", "uneva
 _GENERIC_KW = frozenset({"type", "enum", "const", "$ref", "allOf", "anyOf", "oneOf", "not", "if", "then",
                          "else", "$id"})
 _KNOWN = _ANNOTATIONS | _NUMERIC_KW | _STRING_KW | _ARRAY_KW | _OBJECT_KW | _GENERIC_KW
+#: Keywords of older drafts whose meaning differs in 2020-12 (refused; ``id`` and ``dependencies`` are read
+#: as their 2020-12 equivalents where that is exact: :meth:`_Converter.check_keywords`, :func:`_own_keywords`).
 _OLDER_DRAFTS = frozenset({"dependencies", "additionalItems", "$recursiveRef", "$recursiveAnchor", "id",
                            "divisibleBy", "disallow", "extends", "optional"})
+_REFUSED_UNKNOWN = frozenset({"$dynamicRef"})
+
+
+def _embeds_resource(v: Any) -> bool:
+    """Whether an ``id`` value (drafts 4-6) starts a schema resource of its own: a URI other than a plain
+    fragment (``"#name"`` is an anchor there, and a non-string is no ``id`` at all)."""
+    return isinstance(v, str) and not v.startswith("#")
+
+
+def _is_annotation(k: str) -> bool:
+    """Whether keyword ``k`` has no effect on validity: the annotations, and every keyword no draft defines
+    (vendor extensions such as ``x-order``, ``example``, ``nullable``, ``@context``): draft 2020-12 (Core
+    §4.3.1) has unknown keywords collected as annotations, and ``Draft202012Validator`` ignores them."""
+    return k in _ANNOTATIONS or not (k in _KNOWN or k in _OLDER_DRAFTS or k in _REFUSED_UNKNOWN)
 
 #: Keywords that read each other: never split between two merged schemas.
 _ADJACENT = (
@@ -385,7 +410,16 @@ _TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?(Z|[+-]([01][0-
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 _ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+# RFC 3986 URI with an authority (``scheme://host[:port]path[?query][#fragment]``): a reg-name host, no user
+# info, no IP literal; pchar = unreserved / pct-encoded / sub-delims / ":" / "@" (RFC 3986 §3.3)
+_PCHAR = r"([A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"
+_URI = (rf"[A-Za-z][A-Za-z0-9+.-]*://[A-Za-z0-9._~!$&'()*+,;=-]*(:[0-9]*)?(/{_PCHAR}*)*(\?({_PCHAR}|[/?])*)?"
+        rf"(#({_PCHAR}|[/?])*)?")
 _FORMATS = {
+    "uri": _URI,
+    "uri-reference": _URI,  # (a URI is a URI reference)
+    "iri": _URI,  # (an ASCII URI is an IRI)
+    "iri-reference": _URI,
     "date": _DATE,
     "time": _TIME,
     "date-time": _DATE + "T" + _TIME,
@@ -395,6 +429,30 @@ _FORMATS = {
 }
 
 _FORMAT_LENGTHS: dict[str, tuple[int, int | None]] = {}  # (min, max) length of each format, on first use
+#: Formats draft 2020-12 defines (Validation §7.3) and the older drafts' names for formats (draft 3:
+#: ``host-name``, ``ip-address``, ``color``, ...): the ones fst lacks are refused. Any other ``format`` value
+#: (OpenAPI's ``int32``, ``byte``, ``password``, ...) is an annotation to every validator and is ignored.
+_DEFINED_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6",
+    "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
+    "relative-json-pointer", "regex",
+    "host-name", "ip-address", "color", "utc-millisec", "style", "phone",
+})
+
+
+def _own_keywords(schema: dict) -> dict:
+    """The keywords of ``schema`` that the conversion reads (after :meth:`_Converter.check_keywords`):
+    without annotations, unknown keywords (:func:`_is_annotation`), ``id`` (a base URI or a plain-name
+    anchor there) and a ``format`` no draft defines; an older draft's ``dependencies`` becomes
+    ``dependentRequired`` (its array values) and ``dependentSchemas`` (its schema values), as 2020-12 split it."""
+    own = {k: v for k, v in schema.items() if not _is_annotation(k) and k != "id"}
+    if isinstance(own.get("format"), str) and own["format"] not in _DEFINED_FORMATS:
+        del own["format"]
+    deps = own.pop("dependencies", None)
+    if isinstance(deps, dict):
+        for name, dep in deps.items():
+            own.setdefault("dependentRequired" if isinstance(dep, list) else "dependentSchemas", {})[name] = dep
+    return own
 
 # --------------------------------------------------------------------------------------------------
 # Integer and number ranges
@@ -515,6 +573,8 @@ def _natural_range(lo: int, hi: int | None, last: frozenset = _ALL_DIGITS) -> li
 # --------------------------------------------------------------------------------------------------
 
 _SIMPLE_ESCAPES = set("dswDStnrfv0xu") | set("\\.*+?()[]{}|^$/-")
+#: ``\#``, ``\:``, ...: the character itself in ECMA-262 (an identity escape) and in Python
+_IDENTITY_ESCAPES = set("#&~'\",:!@%=<>;` ")
 _UNICODE_SETS: dict[str, frozenset] = {}
 
 
@@ -648,14 +708,19 @@ class _Converter:
         for k in d:
             if not isinstance(k, str):
                 raise self.invalid(str(k), ptr, "is not a string keyword")
-            if k in _KNOWN:
+            if k in _KNOWN or _is_annotation(k):
                 continue
+            if k == "id" and (ptr == "" or not _embeds_resource(d[k])):
+                continue  # draft 4-6's $id: the root's base URI, or a plain-name anchor ("#name")
+            if k == "dependencies" and isinstance(d[k], dict) and not (d.keys() & {"dependentRequired",
+                                                                                   "dependentSchemas"}):
+                continue  # read as dependentRequired / dependentSchemas (_own_keywords)
+            if k == "id":
+                raise self.refuse(k, ptr, "embedded schema resources (id below the root) are not supported")
             if k in _OLDER_DRAFTS:
                 raise self.refuse(k, ptr, "is a keyword of an older JSON Schema draft; use its draft 2020-12 "
                                           "equivalent")
-            if k in ("$dynamicRef",):
-                raise self.refuse(k, ptr, "dynamic references are not supported", regular=False)
-            raise self.refuse(k, ptr, "unknown keyword (refused rather than ignored)")
+            raise self.refuse(k, ptr, "dynamic references are not supported", regular=False)  # $dynamicRef
         if "$id" in d and ptr != "":
             raise self.refuse("$id", ptr, "embedded schema resources ($id below the root) are not supported")
         if "type" in d:
@@ -741,7 +806,7 @@ class _Converter:
         for raw in tokens:
             tok = raw.replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict) and tok in node:
-                if node is not self.root and "$id" in node:
+                if node is not self.root and ("$id" in node or _embeds_resource(node.get("id"))):
                     raise self.refuse("$ref", ptr, f"{ref!r} points into an embedded resource ($id)")
                 node = node[tok]
             elif isinstance(node, list) and re.fullmatch(r"0|[1-9][0-9]*", tok) and int(tok) < len(node):
@@ -771,7 +836,7 @@ class _Converter:
             raise InvalidSchemaError(f"invalid JSON schema {_where(ptr)}: a schema must be an object or a "
                                      f"boolean, got {type(schema).__name__}", pointer=ptr)
         self.check_keywords(schema, ptr)
-        own = {k: v for k, v in schema.items() if k not in _ANNOTATIONS and k not in ("$ref", "allOf", "$id")}
+        own = {k: v for k, v in _own_keywords(schema).items() if k not in ("$ref", "allOf", "$id")}
         children: list[tuple[Any, str]] = []
         refs: list[str] = []
         if "$ref" in schema:
@@ -887,7 +952,7 @@ class _Converter:
     def node(self, schema: Any, ptr: str, nest: int) -> _R | None:
         """Regex of a schema found in the document at ``ptr``; ``nest`` = containers around the value."""
         self.tick()
-        if isinstance(schema, dict) and "$ref" in schema and not (schema.keys() - _ANNOTATIONS - {"$ref"}):
+        if isinstance(schema, dict) and "$ref" in schema and _own_keywords(schema).keys() == {"$ref"}:
             target_ptr, _ = self.resolve(schema["$ref"], ptr)
             return self.ref(target_ptr, ptr, nest)
         flat, refs = self.flatten(schema, ptr)
@@ -954,7 +1019,7 @@ class _Converter:
             if not isinstance(values, list):
                 raise self.invalid("enum", ptr, f"must be an array, got {type(values).__name__}")
         validator = None
-        if not (isinstance(origin, dict) and origin.keys() <= _ANNOTATIONS | {"enum", "const"}):
+        if not (isinstance(origin, dict) and _own_keywords(origin).keys() <= {"enum", "const"}):
             validator = self.validator().evolve(schema=origin)
         alts = []
         for v in values:
@@ -1259,6 +1324,10 @@ class _Converter:
             c = pat[i]
             if c == "\\" and i + 1 < n:
                 e = pat[i + 1]
+                if e in _IDENTITY_ESCAPES:
+                    out.append(e)  # (none of them is special to our parser, in a class or outside one)
+                    i += 2
+                    continue
                 if e not in _SIMPLE_ESCAPES:
                     raise self.refuse("pattern", ptr, f"escape \\{e} in {pat!r} is not supported")
                 if e == "W" or (in_class and e in "DS"):
