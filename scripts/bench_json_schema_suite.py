@@ -362,12 +362,12 @@ def smaller_language_rule(case: Case, inst: Instance) -> str | None:
     * ``enum-spelling``: a value equal (JSON Schema equality) to a ``const`` / ``enum`` value of its
       subschema but spelled differently in compact JSON (``-2`` for ``-2.0``): fst matches the value's own
       compact text;
-    * ``any-value-depth``: a container nested deeper than :data:`ANY_VALUE_DEPTH` (counted from the root,
-      root container = 1) where the governing subschema does not constrain its shape (``true``, ``{}``,
+    * ``any-value-depth``: a non-empty container nested deeper than :data:`ANY_VALUE_DEPTH` (counted from the
+      root, root container = 1) where the governing subschema does not constrain its shape (``true``, ``{}``,
       only type/annotation keywords);
     * ``extra-key``: an object whose subschema declares names has an undeclared key, while extra keys are
       arbitrary (``additionalProperties`` / ``unevaluatedProperties`` absent, ``true`` or ``{}``), and the
-      extra value is a container (:data:`EXTRA_VALUE_DEPTH` 0), or the key needs JSON escapes, or it agrees
+      extra value is a non-empty container (:data:`EXTRA_VALUE_DEPTH` 0), or the key needs JSON escapes, or it agrees
       with a declared name of 3+ characters on its first :data:`EXTRA_KEY_PREFIX` characters;
     * ``surrogate-escape``: the instance needs ``\uD800``-``\uDFFF`` escapes (not UTF-8 text).
     """
@@ -412,7 +412,7 @@ class _Rules(_Orderer):
         if not _is_container(value):
             return
         level += 1
-        if level > self.js.ANY_VALUE_DEPTH and all(_arbitrary(s) for s in srcs or [True]):
+        if value and level > self.js.ANY_VALUE_DEPTH and all(_arbitrary(s) for s in srcs or [True]):
             self.found.append("any-value-depth")
         if isinstance(value, list):
             for i, v in enumerate(value):
@@ -425,7 +425,7 @@ class _Rules(_Orderer):
         for k, v in value.items():
             if declared and k not in declared and (extra is True or extra == {}):
                 prefix = self.js.EXTRA_KEY_PREFIX
-                if (_is_container(v) or _NEEDS_ESCAPE.search(k) or
+                if ((_is_container(v) and v) or _NEEDS_ESCAPE.search(k) or
                         any(len(n) >= prefix and len(k) >= prefix and n[:prefix] == k[:prefix] for n in declared)):
                     self.found.append("extra-key")
             self.visit(v, self.child_of_object(srcs, k), level)

@@ -552,9 +552,13 @@ def test_any_value_bounded_depth():
     for v in [None, 1, -2.5e3, "s", [], {}, [1, {"a": "b"}], {"a": [1, 2], "b": {"c": None}}]:
         assert c.fullmatch(compact(v)), v
     assert not c.fullmatch(compact([[[1]]]))  # deeper than ANY_VALUE_DEPTH (documented)
+    assert c.fullmatch(compact([[[]], [{}]])) and c.fullmatch("[[{ }]]")  # empty containers: at any depth
     obj = re.compile(assert_never_larger({"type": "object"}))
     assert obj.fullmatch(compact({"a": [1, "x"], "b": {"c": "d"}})) and not obj.fullmatch("[]")
-    assert not obj.fullmatch(compact({"a": [1, {"x": 1}]}))
+    assert not obj.fullmatch(compact({"a": [1, {"x": 1}]})) and obj.fullmatch(compact({"a": [1, {}, []]}))
+    # values of extra keys next to declared properties: scalars and empty containers
+    ext = re.compile(assert_never_larger({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    assert ext.fullmatch(compact({"a": 1, "zz": {}})) and not ext.fullmatch(compact({"a": 1, "zz": {"q": 1}}))
     assert obj.fullmatch(json.dumps({"a": [1, 2], "b": {"c": "d"}}))
 
 

@@ -93,9 +93,10 @@ Smaller language (documented choices; valid instances outside the regex are neve
 * whitespace only where :data:`DEFAULT_WHITESPACE` (or the given pattern) allows it, none inside
   ``enum`` / ``const`` values (they are matched in their compact serialization, keys in the order given);
 * arbitrary values (``{}``, ``true``, ``{"type": "object"}`` without properties, arrays without
-  ``items``) nest at most :data:`ANY_VALUE_DEPTH` containers counted from the root of the output (deeper
-  ones: scalars); values of extra keys (``additionalProperties`` absent / ``true`` / ``{}``) of an object
-  that declares properties are scalars (:data:`EXTRA_VALUE_DEPTH`); extra keys come after declared ones;
+  ``items``) nest at most :data:`ANY_VALUE_DEPTH` non-empty containers counted from the root of the output
+  (deeper ones: scalars, ``[]`` or ``{}``); values of extra keys (``additionalProperties`` absent /
+  ``true`` / ``{}``) of an object that declares properties are scalars, ``[]`` or ``{}``
+  (:data:`EXTRA_VALUE_DEPTH`); extra keys come after declared ones;
 * strings: no ``\\uD800``-``\\uDFFF`` escapes (a surrogate pair counts 1 character to JSON Schema but
   is 2 escapes); extra keys of an object that declares properties use unescaped characters only (so
   that no escaped spelling of a declared name slips in as an "extra" key), and those longer than
@@ -166,11 +167,13 @@ DEFAULT_WHITESPACE = "[ ]?"
 #: ``{"a": [1], "b": {"c": null}}`` is accepted, ``{"a": [[1]]}`` is not. Deeper arbitrary values get the
 #: rest (at least scalars). Why 2: on SmolLM2 (canonical, 2 CPU cores), ``{"type": "object"}`` compiles
 #: in ~1.3 s with 2 levels and ~1.9 s with 3, and ``{}`` in ~3 s with 2 levels but over the token-state
-#: budget with 3 (the automaton remembers every open container).
+#: budget with 3 (the automaton remembers every open container). Empty containers (``[]``, ``{}``) are
+#: allowed at any depth.
 ANY_VALUE_DEPTH = 2
 
 #: Containers allowed inside the value of an *extra* key (``additionalProperties`` absent, ``true`` or
-#: ``{}``) of an object that declares properties: 0 = scalars only (null, booleans, numbers, strings). Each
+#: ``{}``) of an object that declares properties: 0 = scalars only (null, booleans, numbers, strings) and
+#: empty containers. Each
 #: open object costs a few tenths of a second of compile time even so.
 EXTRA_VALUE_DEPTH = 0
 
@@ -1667,12 +1670,15 @@ class _Converter:
         return self.any_of_depth(self.any_depth(nest))
 
     def any_of_depth(self, depth: int) -> _R:
-        """null, booleans, numbers, strings and (depth > 0) arrays / objects of depth - 1 values."""
+        """null, booleans, numbers, strings, ``[]`` and ``{}``, and (depth > 0) arrays / objects of depth - 1
+        values."""
         if depth not in self.any_memo:
             self.tick()
             rx = self.rx
             parts = [rx.make("(null|true|false)", True), rx.make(_NUMBER, False), self.string]
-            if depth > 0:
+            if depth == 0:  # empty containers cost a state or two, and real-world instances nest them deep
+                parts += [self.array([], None, 0, 0), self.wrap_object(None, True)]
+            else:
                 v = self.any_of_depth(depth - 1)
                 parts.append(self.array([], v, 0, None))
                 member = self.key_value(self.string, v)
