@@ -365,6 +365,9 @@ def smaller_language_rule(case: Case, inst: Instance) -> str | None:
     * ``any-value-depth``: a non-empty container nested deeper than :data:`ANY_VALUE_DEPTH` (counted from the
       root, root container = 1) where the governing subschema does not constrain its shape (``true``, ``{}``,
       only type/annotation keywords);
+    * ``closed-object``: an object whose subschema declares names and says nothing about other keys (no
+      ``additionalProperties`` / ``unevaluatedProperties``) has an undeclared key (fst's default; not with
+      ``VLLM_FST_JSON_OPEN_OBJECTS=1``);
     * ``extra-key``: an object whose subschema declares names has an undeclared key, while extra keys are
       arbitrary (``additionalProperties`` / ``unevaluatedProperties`` absent, ``true`` or ``{}``), and the
       extra value is a non-empty container (:data:`EXTRA_VALUE_DEPTH` 0), or the key needs JSON escapes, or it agrees
@@ -381,7 +384,8 @@ def smaller_language_rule(case: Case, inst: Instance) -> str | None:
         return "surrogate-escape"
     found: list[str] = []
     _Rules(case.schema, js, found).visit(inst.data, case.schema, 0)
-    order = ("format-subset", "pattern-classes", "enum-spelling", "number-spelling", "any-value-depth", "extra-key")
+    order = ("format-subset", "pattern-classes", "enum-spelling", "number-spelling", "any-value-depth", "closed-object",
+             "extra-key")
     for rule in order:
         if rule in found:
             return rule
@@ -390,8 +394,11 @@ def smaller_language_rule(case: Case, inst: Instance) -> str | None:
 
 class _Rules(_Orderer):
     def __init__(self, root: Any, js, found: list):
+        from vllm_fst_backend.compiler.constraints import open_objects_from_env
+
         super().__init__(root)
         self.js, self.found = js, found
+        self.open_objects = open_objects_from_env()
 
     def visit(self, value: Any, schema: Any, level: int) -> None:
         srcs = self.sources(schema, value)
@@ -422,8 +429,11 @@ class _Rules(_Orderer):
         declared += [n for s in srcs if isinstance(s.get("required"), list) for n in s["required"]
                      if isinstance(n, str)]
         extra = self.child_of_object(srcs, "\x00not-declared\x00")
+        silent = not any(kw in s for s in srcs for kw in ("additionalProperties", "unevaluatedProperties"))
         for k, v in value.items():
-            if declared and k not in declared and (extra is True or extra == {}):
+            if declared and k not in declared and silent and not self.open_objects:
+                self.found.append("closed-object")
+            elif declared and k not in declared and (extra is True or extra == {}):
                 prefix = self.js.EXTRA_KEY_PREFIX
                 if ((_is_container(v) and v) or _NEEDS_ESCAPE.search(k) or
                         any(len(n) >= prefix and len(k) >= prefix and n[:prefix] == k[:prefix] for n in declared)):

@@ -138,13 +138,14 @@ _VALUES = {"string": ["x", 3], "integer": [7, "7"], "boolean": [True, None]}
 
 
 @pytest.mark.parametrize("required", [[], ["mid"], ["zeta", "beta"], ["alpha"], ["zeta", "alpha", "mid", "beta"]])
-@pytest.mark.parametrize("closed", [True, False])
-def test_property_order_and_optional_required_brute_force(required, closed):
+@pytest.mark.parametrize("extra,open_objects", [(False, False), (None, False), (True, False), (None, True)])
+def test_property_order_and_optional_required_brute_force(required, extra, open_objects):
     types = {"zeta": "string", "alpha": "integer", "mid": "boolean", "beta": "string"}
     schema = {"type": "object", "properties": {k: {"type": t} for k, t in types.items()}, "required": required}
-    if closed:
-        schema["additionalProperties"] = False
-    rx = re.compile(json_schema_to_regex(schema))
+    if extra is not None:
+        schema["additionalProperties"] = extra
+    rx = re.compile(json_schema_to_regex(schema, open_objects=open_objects))
+    closed = not (extra or (extra is None and open_objects))
     order = list(types)
     v = validator(schema)
     n_ok = 0
@@ -163,6 +164,8 @@ def test_property_order_and_optional_required_brute_force(required, closed):
         assert rx.fullmatch(compact({**base, "extra": 1, "more": "y"}))
         assert not rx.fullmatch(compact({**base, "zeta": "x"}).replace("}", ',"zeta":"y"}'))
         assert not rx.fullmatch(compact({"extra": 1, **base}))  # extras come last
+    else:  # declared names only: silent about extra keys is closed unless open_objects (documented)
+        assert not rx.fullmatch(compact({**{k: _VALUES[types[k]][0] for k in order}, "extra": 1}))
 
 
 def test_nested_property_order_and_default_serialization():
@@ -557,7 +560,8 @@ def test_any_value_bounded_depth():
     assert obj.fullmatch(compact({"a": [1, "x"], "b": {"c": "d"}})) and not obj.fullmatch("[]")
     assert not obj.fullmatch(compact({"a": [1, {"x": 1}]})) and obj.fullmatch(compact({"a": [1, {}, []]}))
     # values of extra keys next to declared properties: scalars and empty containers
-    ext = re.compile(assert_never_larger({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    ext = re.compile(assert_never_larger({"type": "object", "properties": {"a": {"type": "integer"}},
+                                          "additionalProperties": True}))
     assert ext.fullmatch(compact({"a": 1, "zz": {}})) and not ext.fullmatch(compact({"a": 1, "zz": {"q": 1}}))
     assert obj.fullmatch(json.dumps({"a": [1, 2], "b": {"c": "d"}}))
 
@@ -1046,3 +1050,18 @@ def test_ecma_only_patterns_are_unsupported_not_invalid(schema, keyword, pointer
     assert ei.value.keyword == keyword and ei.value.pointer == pointer and "regex syntax" in str(ei.value)
     with pytest.raises(InvalidSchemaError):
         server_convert({"type": "string", "pattern": "^\\p{Letter}+$", "minLength": "x"})
+
+
+def test_open_objects_environment(monkeypatch):
+    from vllm_fst_backend.compiler import constraints
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    text = compact({"a": 1, "b": 2})
+    monkeypatch.delenv(constraints.OPEN_OBJECTS_ENV, raising=False)
+    assert not re.fullmatch(constraints.json_schema_to_regex(schema), text)
+    assert Draft202012Validator(schema).is_valid({"a": 1, "b": 2})  # (valid: the default is a smaller language)
+    monkeypatch.setenv(constraints.OPEN_OBJECTS_ENV, "1")
+    assert re.fullmatch(constraints.json_schema_to_regex(schema), text)  # (not the memo of the closed regex)
+    monkeypatch.setenv(constraints.OPEN_OBJECTS_ENV, "maybe")
+    with pytest.raises(InvalidOptionError, match="VLLM_FST_JSON_OPEN_OBJECTS"):
+        constraints.json_schema_to_regex(schema)

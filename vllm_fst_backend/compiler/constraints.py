@@ -9,11 +9,12 @@ Kinds are the names of vLLM's ``StructuredOutputOptions`` (``"REGEX"``, ``"CHOIC
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from typing import Any, Iterable
 
-from ..errors import InvalidConstraintError, InvalidSchemaError, UnsupportedSchemaError
+from ..errors import InvalidConstraintError, InvalidOptionError, InvalidSchemaError, UnsupportedSchemaError
 from .limits import InputLimits, check_choices, check_regex, check_schema_obj, check_schema_text
 from .regex_parse import escape_literal
 
@@ -138,6 +139,24 @@ def _check_metaschema(schema: Any) -> None:
         raise InvalidSchemaError("invalid JSON schema: nested too deeply to check") from None
 
 
+OPEN_OBJECTS_ENV = "VLLM_FST_JSON_OPEN_OBJECTS"
+
+
+def open_objects_from_env() -> bool:
+    """``$VLLM_FST_JSON_OPEN_OBJECTS`` (``1`` / ``true``: objects that are silent about extra keys take them,
+    as JSON Schema allows; default ``0``: declared names only, :func:`.json_schema.json_schema_to_regex`).
+
+    Raises:
+        InvalidOptionError: a value other than 0/1/true/false/yes/no/on/off (a server misconfiguration).
+    """
+    raw = os.environ.get(OPEN_OBJECTS_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise InvalidOptionError(f"{OPEN_OBJECTS_ENV} must be 0 or 1, got {raw!r}")
+
+
 def json_schema_to_regex(schema: str | dict | bool, whitespace_pattern: str | None = None, *,
                          limits: InputLimits | None = None, deadline: float | None = None) -> str:
     """JSON schema (text or parsed) → regex, keys in the schema's order, every keyword enforced
@@ -166,11 +185,12 @@ def json_schema_to_regex(schema: str | dict | bool, whitespace_pattern: str | No
         text = json.dumps(schema, ensure_ascii=False)
     if not isinstance(parsed, (dict, bool)):
         raise InvalidConstraintError("invalid JSON schema: must be a JSON object or a boolean")
-    key = (text, whitespace_pattern, limits)
+    open_objects = open_objects_from_env()
+    key = (text, whitespace_pattern, limits, open_objects)
     got = _SCHEMA_REGEXES.get(key)
     if got is None:
         _check_metaschema(parsed)
-        got = convert(parsed, whitespace_pattern, limits=limits, deadline=deadline)
+        got = convert(parsed, whitespace_pattern, limits=limits, deadline=deadline, open_objects=open_objects)
         _SCHEMA_REGEXES.put(key, got)
     return got
 
