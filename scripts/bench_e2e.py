@@ -1303,25 +1303,52 @@ async def _stream_one(session, base: str, body: dict) -> dict:
     return res
 
 
-async def _poll_health(base: str, stop, out: list[float], errors: list[str], period: float = 0.02, timeout: float = 30.0) -> None:
-    """``GET /health`` every ``period`` s over its own connection until ``stop`` is set; response times
-    go to ``out`` (a failed poll too, with the time it took; its error goes to ``errors``)."""
-    import aiohttp
+# The /health poller: a process of its own (its own interpreter and connection), so that what it measures is
+# the server's answer time, not the wait of a poll behind the client's own streams on one event loop.
+_HEALTH_POLLER = r"""
+import http.client, json, sys, threading, time, urllib.parse
+u = urllib.parse.urlsplit(sys.argv[1])
+period, timeout = float(sys.argv[2]), float(sys.argv[3])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+times, errors = [], []
+conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+print("ready", flush=True)
+while not stop.is_set():
+    t0 = time.perf_counter()
+    try:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            errors.append("HTTP %d" % r.status)
+    except Exception as e:  # the time it took is what is measured
+        errors.append(("%s: %s" % (type(e).__name__, e))[:200])
+        conn.close()
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    dt = time.perf_counter() - t0
+    times.append(dt)
+    stop.wait(max(0.0, period - dt))
+print(json.dumps({"times": times, "errors": errors}), flush=True)
+"""
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), timeout=aiohttp.ClientTimeout(total=timeout)) as hs:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            try:
-                async with hs.get(base + "/health") as r:
-                    await r.read()
-                    if r.status != 200:
-                        errors.append(f"HTTP {r.status}")
-            except Exception as e:  # noqa: BLE001 - the time it took is what is measured
-                errors.append(f"{type(e).__name__}: {e}"[:200])
-            dt = time.perf_counter() - t0
-            out.append(dt)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(0.0, period - dt))
+
+class HealthPoller:
+    """``GET /health`` every ``period`` s from a separate process until :meth:`stop`; :meth:`stop` returns
+    ``{"times": [s, ...], "errors": [...]}`` (a failed poll counts with the time it took)."""
+
+    def __init__(self, base: str, period: float = 0.02, timeout: float = 30.0):
+        self.proc = subprocess.Popen([sys.executable, "-c", _HEALTH_POLLER, base, str(period), str(timeout)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc.stdout.readline()  # "ready": polling starts now
+
+    def stop(self) -> dict:
+        try:
+            out, _ = self.proc.communicate(input="", timeout=120)
+            return json.loads(out.strip().splitlines()[-1])
+        except Exception as e:  # noqa: BLE001 - a broken poller must not lose the batch's results
+            self.proc.kill()
+            return {"times": [], "errors": [f"health poller: {type(e).__name__}: {e}"[:200]]}
 
 
 async def _serving_batch(base: str, bodies: list[dict], concurrency: int, timeout: float) -> tuple[list[dict], float, dict]:
@@ -1329,9 +1356,6 @@ async def _serving_batch(base: str, bodies: list[dict], concurrency: int, timeou
 
     sem = asyncio.Semaphore(concurrency)
     results: list[dict] = [{} for _ in bodies]
-    health: list[float] = []
-    health_errors: list[str] = []
-    stop = asyncio.Event()
 
     async def one(i: int, body: dict, session) -> None:
         async with sem:
@@ -1341,13 +1365,14 @@ async def _serving_batch(base: str, bodies: list[dict], concurrency: int, timeou
 
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        poller = asyncio.create_task(_poll_health(base, stop, health, health_errors))
+        poller = HealthPoller(base)
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(i, b, session) for i, b in enumerate(bodies)))
-        wall = time.perf_counter() - t0
-        stop.set()
-        await poller
-    return results, wall, {"times": health, "errors": health_errors}
+        try:
+            await asyncio.gather(*(one(i, b, session) for i, b in enumerate(bodies)))
+        finally:
+            wall = time.perf_counter() - t0
+            health = poller.stop()
+    return results, wall, health
 
 
 def run_serving(base: str, backend: str, cases: list[ServingCase], concurrency: int, max_tokens: int = 96,
@@ -1610,8 +1635,8 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
         "backends' outputs differ in text and in length, a non-canonical path often spells a text in more tokens, so "
         "tokens/s and the batch's wall time can rank backends differently; characters/s: the outputs' characters / "
         "the same wall time, a measure that does not depend on how many tokens spell a text); worst /health: slowest "
-        "`GET /health` answer while the batch ran (polled every 20 ms over its own connection by the same client "
-        "process); constraint satisfied: `re.fullmatch`, or `json.loads` + `Draft202012Validator` with `FormatChecker` "
+        "`GET /health` answer while the batch ran (polled every 20 ms over its own connection by a separate client "
+        "process, `HealthPoller`: a poll of the client's own event loop also waited for the streams it reads); constraint satisfied: `re.fullmatch`, or `json.loads` + `Draft202012Validator` with `FormatChecker` "
         "(outputs cut by max_tokens count as unsatisfied: column \"hit max_tokens\"); canonical: the streamed "
         "`token_ids` (trailing EOS removed) == the tokenizer's encoding of the text. Servers run with `--enforce-eager`.",
         f"Host: {meta.get('host', '?')}. The client shares the machine with the server: speed figures are noisy.",

@@ -428,3 +428,39 @@ def test_jump_targets_name_the_batch_ceiling_the_single_stream_rate_and_greedy_i
     assert "near-tie): pokedex 2 of 2 (fst: 2 distinct in 2) (met)" in "\n".join(b.targets_text(rows, {}))
     rows += [row("fst", "mc", 1.0, None, [[5], [6]]), row("fst-jump", "mc", 1.0, None, [[6], [5]])]  # per question
     assert "near-tie): mc 0 of 2, pokedex 2 of 2 (fst: 2 distinct in 2) (NOT met)" in "\n".join(b.targets_text(rows, {}))
+
+
+def test_health_poller_separate_process():
+    """The /health poller of the serving workload times a real HTTP server from its own process, and counts
+    a non-200 answer as an error with its time."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from scripts import bench_e2e as b
+
+    status = {"code": 200}
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            if status["code"] != 200:
+                time.sleep(0.05)
+            self.send_response(status["code"] if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        poller = b.HealthPoller(f"http://127.0.0.1:{srv.server_address[1]}", period=0.01)
+        time.sleep(0.3)
+        status["code"] = 503
+        time.sleep(0.2)
+        out = poller.stop()
+    finally:
+        srv.shutdown()
+    assert len(out["times"]) >= 10 and all(0 < t < 5 for t in out["times"])
+    assert out["errors"] and all(e == "HTTP 503" for e in out["errors"]) and max(out["times"]) >= 0.05
