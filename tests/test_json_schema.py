@@ -422,7 +422,7 @@ def test_pattern_or_format_with_length_only_when_implied():
     assert json_schema_to_regex({"type": "string", "format": "date", "maxLength": 10})
     for extra in ({"maxLength": 3}, {"minLength": 5}):
         with pytest.raises(UnsupportedSchemaError):
-            json_schema_to_regex({"type": "string", "pattern": "^[a-z]{2,4}$", **extra})
+            json_schema_to_regex({"type": "string", "pattern": "^[a-z]{2,4}x$", **extra})
     with pytest.raises(UnsupportedSchemaError):
         json_schema_to_regex({"type": "string", "pattern": "a", "maxLength": 9})  # unanchored: unbounded
     with pytest.raises(UnsupportedSchemaError):
@@ -487,6 +487,21 @@ def test_format_uri_is_an_rfc3986_subset(fmt):
     for bad in ["//foo.bar/?baz=qux#quux", "http:// x.com", ":// should fail", "bar,baz:foo", "http://é.com",
                 "http://a.com/%zz", "1http://a", "http://a.com/<x>", 'http://a"b']:
         assert not c.fullmatch(json.dumps(bad, ensure_ascii=False)), bad
+
+
+def test_pattern_of_one_class_with_length_bounds():
+    # one repeated class anchored at both ends: the bounds go into the repetition (exact)
+    schema = {"type": "string", "pattern": "^[^,\"]+$", "maxLength": 5}
+    c = re.compile(assert_never_larger(schema))
+    for text, ok in [("abc", True), ("abcde", True), ("abcdef", False), ("", False), ("a,b", False)]:
+        assert bool(c.fullmatch(compact(text))) == ok, text
+    c = re.compile(assert_never_larger({"type": "string", "pattern": "^[a-z]{2,8}$", "minLength": 3,
+                                        "maxLength": 20}))
+    assert c.fullmatch('"abc"') and not c.fullmatch('"ab"') and not c.fullmatch('"abcdefghi"')
+    with pytest.raises(EmptyLanguageError):
+        json_schema_to_regex({"type": "string", "pattern": "^[a-z]{2,3}$", "minLength": 5})
+    with pytest.raises(UnsupportedSchemaError):  # other patterns: still only when every match fits the bounds
+        json_schema_to_regex({"type": "string", "pattern": "^a[a-z]+$", "maxLength": 5})
 
 
 def test_pattern_identity_escapes():

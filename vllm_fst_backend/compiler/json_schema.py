@@ -26,7 +26,8 @@ Enforced exactly:
   where ``jsonschema`` lacks its optional RFC 3339 checker), ``uuid``, ``ipv4`` (octets 0-255, no leading
   zeros), ``email`` (a dot-atom subset of what ``jsonschema`` accepts), ``uri`` / ``uri-reference`` /
   ``iri`` / ``iri-reference`` (an RFC 3986 subset, below); ``pattern`` or ``format``
-  together with a length bound only when every match satisfies the bound;
+  together with a length bound only when every match satisfies the bound, or the pattern is one repeated
+  character class anchored at both ends (``^[^,]+$``: the bounds go into its repetition);
 * integers: ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (any numbers;
   float bounds rounded inwards) as an exact digit-range regex; ``multipleOf`` 1, 2, 5 or 10;
 * numbers: the same four bounds when they are integer-valued (inclusive: ``|bound| <= 2**53``;
@@ -1281,7 +1282,9 @@ class _Converter:
             if "format" in d and "pattern" in d:
                 raise self.refuse("pattern", ptr, "pattern together with format is not supported")
             kw = "format" if "format" in d else "pattern"
-            content, (c_lo, c_hi) = self.format(d, ptr) if kw == "format" else self.pattern(d, ptr)
+            content, (c_lo, c_hi) = self.format(d, ptr) if kw == "format" else self.pattern(d, ptr, lo, hi)
+            if content is None:
+                return None
             if c_lo < lo or (hi is not None and (c_hi is None or c_hi > hi)):
                 raise self.refuse(kw, ptr, f"{kw} together with minLength/maxLength is not supported (unless "
                                            f"every {kw} match satisfies them)")
@@ -1302,7 +1305,11 @@ class _Converter:
             _FORMAT_LENGTHS[fmt] = _len_bounds(parse_regex(text))
         return self.rx.make(text, False), _FORMAT_LENGTHS[fmt]
 
-    def pattern(self, d: dict, ptr: str) -> tuple[_R, tuple[int, int | None]]:
+    def pattern(self, d: dict, ptr: str, len_lo: int = 0, len_hi: int | None = None
+                ) -> tuple[_R | None, tuple[int, int | None]]:
+        """(regex of the JSON-escaped string content, (min, max) length of its matches); the string's own
+        ``minLength`` / ``maxLength`` (``len_lo`` / ``len_hi``) are applied where the pattern is one repeated
+        character class, anchored at both ends (content None: no string satisfies both)."""
         pat = d["pattern"]
         if not isinstance(pat, str):
             raise self.invalid("pattern", ptr, f"must be a string, got {pat!r}")
@@ -1315,6 +1322,15 @@ class _Converter:
             if isinstance(e, CompileBudgetError) or isinstance(e, InputTooLargeError):
                 raise
             raise self.refuse("pattern", ptr, f"cannot translate {pat!r}: {e}") from None
+        if left and right and tree[0] == "rep" and tree[1][0] == "sym":
+            # one repeated character class (``^[^,]+$``): the length bounds go into its repetition
+            _, sym, m, n = tree
+            lo = max(m, len_lo)
+            his = [b for b in (n, len_hi) if b is not None]
+            hi = min(his) if his else None
+            if hi is not None and lo > hi:
+                return None, (0, 0)
+            return self.rx.rep(self.emit_pattern(sym), lo, hi), (lo, hi)
         content = self.emit_pattern(tree)
         lo, hi = _len_bounds(tree)
         anywhere = self.rx.rep(self.string_char, 0, None)
