@@ -504,6 +504,16 @@ def test_pattern_of_one_class_with_length_bounds():
         json_schema_to_regex({"type": "string", "pattern": "^a[a-z]+$", "maxLength": 5})
 
 
+@pytest.mark.parametrize("pat", [r"^a|b$", r"^(\d{4}(-\d{2})?$)|(^[a-z]+$)", r"^(?:x$)|^y|z", r"^(ab|cd)$|^e$"])
+def test_pattern_alternatives_with_their_own_anchors(pat):
+    # ECMA-262 / Python: each top-level alternative is anchored by its own ^ / $ (a search, not a full match)
+    c = re.compile(assert_never_larger({"type": "string", "pattern": pat}))
+    probes = ["a", "axx", "xxb", "b", "ba", "xa", "2020", "2020-01", "x2020", "abc", "ab1", "x", "xq", "qy", "y1",
+              "qqz", "z1", "ab", "cd", "e", "abe", "ee", ""]
+    for text in probes:
+        assert bool(c.fullmatch(compact(text))) == bool(re.search(pat, text)), (pat, text)
+
+
 def test_pattern_identity_escapes():
     # \# \: \@ ... are the characters themselves (ECMA-262 identity escapes; Python reads them alike)
     c = re.compile(json_schema_to_regex({"type": "string", "pattern": r"^a\#b\:c\@d\"e$"}))

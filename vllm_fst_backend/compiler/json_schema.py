@@ -21,8 +21,9 @@ Enforced exactly:
   values are filtered by validating each against the whole schema with ``jsonschema``, so every other
   keyword next to ``enum`` / ``const`` is exact, whatever it is);
 * strings: ``minLength`` / ``maxLength`` (code points, an escape counts one); ``pattern`` (translated to
-  match the JSON-escaped text, see below); ``format`` ``date`` (month lengths, Feb 29 only in leap
-  years, years 0001-9999), ``time`` and ``date-time`` (RFC 3339 with a required offset; enforced even
+  match the JSON-escaped text, see below; a search: a side without an anchor takes any text, and each
+  top-level alternative has its own ``^`` / ``$``, also inside a group that is the whole alternative);
+  ``format`` ``date`` (month lengths, Feb 29 only in leap years, years 0001-9999), ``time`` and ``date-time`` (RFC 3339 with a required offset; enforced even
   where ``jsonschema`` lacks its optional RFC 3339 checker), ``uuid``, ``ipv4`` (octets 0-255, no leading
   zeros), ``email`` (a dot-atom subset of what ``jsonschema`` accepts), ``uri`` / ``uri-reference`` /
   ``iri`` / ``iri-reference`` (an RFC 3986 subset, below); ``pattern`` or ``format``
@@ -1314,14 +1315,18 @@ class _Converter:
         if not isinstance(pat, str):
             raise self.invalid("pattern", ptr, f"must be a string, got {pat!r}")
         body = self.prescan_pattern(pat, ptr)
-        left = body.startswith("^")
-        right = bool(re.search(r"(?<!\\)(\\\\)*\$$", body))
-        try:
-            tree = parse_regex(body, deadline=self.deadline, limits=InputLimits(max_regex_chars=self.rx.max_chars))
-        except (RegexError, InputTooLargeError) as e:
-            if isinstance(e, CompileBudgetError) or isinstance(e, InputTooLargeError):
-                raise
-            raise self.refuse("pattern", ptr, f"cannot translate {pat!r}: {e}") from None
+        # ECMA-262: each top-level alternative has its own anchors (``^a$|^b$``, ``^(a$)|(^b)``)
+        alts = [_edge_anchors(a) for a in _split_alternatives(body)]
+        if len(alts) > 1:
+            parts, los, his = [], [], []
+            for text, left, right in alts:
+                content, (lo, hi) = self.pattern_part(text, left, right, pat, ptr)
+                parts.append(content)
+                los.append(lo)
+                his.append(hi)
+            return self.rx.alt(parts), (min(los), None if None in his else max(his))
+        text, left, right = alts[0]
+        tree = self.parse_pattern(text, pat, ptr)
         if left and right and tree[0] == "rep" and tree[1][0] == "sym":
             # one repeated character class (``^[^,]+$``): the length bounds go into its repetition
             _, sym, m, n = tree
@@ -1331,6 +1336,21 @@ class _Converter:
             if hi is not None and lo > hi:
                 return None, (0, 0)
             return self.rx.rep(self.emit_pattern(sym), lo, hi), (lo, hi)
+        return self.pattern_part(text, left, right, pat, ptr, tree)
+
+    def parse_pattern(self, text: str, pat: str, ptr: str):
+        try:
+            return parse_regex(text, deadline=self.deadline, limits=InputLimits(max_regex_chars=self.rx.max_chars))
+        except (RegexError, InputTooLargeError) as e:
+            if isinstance(e, CompileBudgetError) or isinstance(e, InputTooLargeError):
+                raise
+            raise self.refuse("pattern", ptr, f"cannot translate {pat!r}: {e}") from None
+
+    def pattern_part(self, text: str, left: bool, right: bool, pat: str, ptr: str, tree=None
+                     ) -> tuple[_R, tuple[int, int | None]]:
+        """One alternative of a pattern without its edge anchors: any text before it unless ``left``, after
+        it unless ``right``."""
+        tree = self.parse_pattern(text, pat, ptr) if tree is None else tree
         content = self.emit_pattern(tree)
         lo, hi = _len_bounds(tree)
         anywhere = self.rx.rep(self.string_char, 0, None)
@@ -1870,6 +1890,73 @@ def json_schema_to_regex(schema: dict | bool, whitespace_pattern: str | None = N
         raise CompileBudgetError(f"the JSON schema nests too deeply: its regex nests groups {depth} deep, over the "
                                  f"regex parser's limit of {MAX_GROUP_DEPTH}", None)
     return result.text
+
+
+def _split_alternatives(text: str) -> list[str]:
+    """The top-level alternatives of a pattern (``|`` outside groups and classes; escapes skipped)."""
+    parts, depth, in_class, start, i = [], 0, False, 0, 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+        i += 1
+    parts.append(text[start:])
+    return parts
+
+
+def _whole_group_inner(text: str) -> str | None:
+    """The inside of ``text`` when it is one group (``(...)`` / ``(?:...)``) with a single alternative."""
+    if not (text.startswith("(") and text.endswith(")")):
+        return None
+    depth, in_class, i = 0, False, 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                break
+        i += 1
+    if i != len(text) - 1:
+        return None
+    inner = text[3:-1] if text.startswith("(?:") else text[1:-1]
+    return inner if len(_split_alternatives(inner)) == 1 else None
+
+
+def _edge_anchors(text: str) -> tuple[str, bool, bool]:
+    """(``text`` without the ``^`` at its start and the unescaped ``$`` at its end, also inside a group that
+    is the whole of it, left anchored, right anchored)."""
+    left = right = False
+    if text.startswith("^"):
+        text, left = text[1:], True
+    if re.search(r"(?<!\\)(\\\\)*\$$", text):
+        text, right = text[:-1], True
+    inner = _whole_group_inner(text)
+    if inner is not None:
+        t2, l2, r2 = _edge_anchors(inner)
+        if l2 or r2:
+            text, left, right = "(?:" + t2 + ")", left or l2, right or r2
+    return text, left, right
 
 
 def _group_depth(regex: str) -> int:
