@@ -392,6 +392,13 @@ def smaller_language_rule(case: Case, inst: Instance) -> str | None:
     return None
 
 
+def _searches(pattern: str, text: str) -> bool:
+    try:
+        return re.search(pattern, text) is not None
+    except re.error:
+        return False
+
+
 class _Rules(_Orderer):
     def __init__(self, root: Any, js, found: list):
         from vllm_fst_backend.compiler.constraints import open_objects_from_env
@@ -430,8 +437,11 @@ class _Rules(_Orderer):
                      if isinstance(n, str)]
         extra = self.child_of_object(srcs, "\x00not-declared\x00")
         silent = not any(kw in s for s in srcs for kw in ("additionalProperties", "unevaluatedProperties"))
+        patterns = [pt for s in srcs if isinstance(s.get("patternProperties"), dict) for pt in s["patternProperties"]]
         for k, v in value.items():
-            if declared and k not in declared and silent and not self.open_objects:
+            if patterns and any(_searches(pt, k) for pt in patterns):
+                pass  # a pattern key (fst: keys of its one pattern)
+            elif (declared or patterns) and k not in declared and silent and not self.open_objects:
                 self.found.append("closed-object")
             elif declared and k not in declared and (extra is True or extra == {}):
                 prefix = self.js.EXTRA_KEY_PREFIX

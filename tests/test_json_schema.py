@@ -712,7 +712,7 @@ def test_unknown_keywords_ignored_older_drafts_refused_with_pointer():
     with pytest.raises(UnsupportedSchemaError) as ei:
         json_schema_to_regex({"type": "object", "dependencies": {"x": ["y"]}})
     assert ei.value.keyword == "dependentRequired" and "'x'" in str(ei.value)
-    for kw in ("additionalItems", "patternProperties", "propertyNames", "$dynamicRef", "divisibleBy"):
+    for kw in ("additionalItems", "propertyNames", "$dynamicRef", "divisibleBy"):
         value = {"$dynamicRef": "#x", "propertyNames": {"maxLength": 3}, "divisibleBy": 2}.get(
             kw, {"x": {"type": "string"}})
         sch = {"type": "object", kw: value}
@@ -1090,3 +1090,26 @@ def test_open_objects_environment(monkeypatch):
     monkeypatch.setenv(constraints.OPEN_OBJECTS_ENV, "maybe")
     with pytest.raises(InvalidOptionError, match="VLLM_FST_JSON_OPEN_OBJECTS"):
         constraints.json_schema_to_regex(schema)
+
+
+def test_pattern_properties_one_pattern():
+    # a map: keys matching the pattern (a search, as ``pattern``), values of its schema, no other keys
+    schema = {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}}, "additionalProperties": False}
+    c = re.compile(assert_never_larger(schema))
+    for v, ok in [({}, True), ({"a": 1}, True), ({"ab": 1, "cd": 2}, True), ({"A": 1}, False), ({"a": "x"}, False)]:
+        assert bool(c.fullmatch(compact(v))) == ok, v
+    # next to declared properties (silent about other keys: closed by default, as declared names)
+    schema = {"type": "object", "properties": {"X1": {"type": "string"}}, "required": ["X1"],
+              "patternProperties": {"^[a-z]+$": {"type": "integer"}}}
+    c = re.compile(assert_never_larger(schema))
+    assert c.fullmatch(compact({"X1": "q", "ab": 1})) and not c.fullmatch(compact({"X1": "q", "AB": 1}))
+    for bad, why in [
+        (dict(schema, additionalProperties=True), "does not match"),
+        ({"type": "object", "patternProperties": {"^a": {}, "^b": {}}}, "more than one"),
+        ({"type": "object", "properties": {"ab": {}}, "patternProperties": {"^a": {"type": "integer"}}}, "'ab'"),
+    ]:
+        with pytest.raises(UnsupportedSchemaError, match=why) as ei:
+            json_schema_to_regex(bad)
+        assert ei.value.keyword == "patternProperties"
+    with pytest.raises(UnsupportedSchemaError):  # open objects: the keys it does not match would need a complement
+        json_schema_to_regex(schema, open_objects=True)

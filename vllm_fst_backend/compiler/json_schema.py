@@ -39,7 +39,9 @@ Enforced exactly:
   a smaller language), ``maxProperties: 0``, ``minProperties: 1``;
   ``propertyNames``, other ``minProperties`` / ``maxProperties``, ``dependentRequired``,
   ``dependentSchemas`` (and the older drafts' ``dependencies``, read as these two) and
-  ``patternProperties: {}`` only when they always hold;
+  ``patternProperties: {}`` only when they always hold; ``patternProperties`` with one pattern when no
+  declared name matches it and no other key is allowed (``additionalProperties: false``, or silent: see
+  "Smaller language"): its keys (a search, as ``pattern``) with values of its schema;
 * arrays: ``items`` (schema or ``false``), ``prefixItems``, ``minItems``, ``maxItems``,
   ``unevaluatedItems`` (as ``items`` when that is absent); ``uniqueItems`` when ``maxItems <= 1`` or the
   items are a single ``const``;
@@ -70,7 +72,7 @@ without ``contains``; every keyword no draft defines (vendor extensions and typo
 anchor (``"#name"``).
 
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
-(other than ``false``), ``if``, ``contains``, non-empty ``patternProperties``, ``$dynamicRef``,
+(other than ``false``), ``if``, ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
 non-integer number bounds, other ``format`` values a draft defines (``hostname``, ``ipv6``, ``duration``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
@@ -93,8 +95,8 @@ than the parser accepts).
 Smaller language (documented choices; valid instances outside the regex are never generated):
 
 * extra keys only where the schema names them: an object that declares names (``properties`` /
-  ``required``) but has no ``additionalProperties`` / ``unevaluatedProperties`` takes its declared names
-  only (``open_objects=False``, the default; xgrammar and outlines do the same in vLLM);
+  ``required`` / ``patternProperties``) but has no ``additionalProperties`` / ``unevaluatedProperties``
+  takes its declared names (and pattern keys) only (``open_objects=False``, the default; xgrammar and outlines do the same in vLLM);
   ``additionalProperties: true`` or a schema opens it, and so does ``open_objects=True`` everywhere;
 * whitespace only where :data:`DEFAULT_WHITESPACE` (or the given pattern) allows it, none inside
   ``enum`` / ``const`` values (they are matched in their compact serialization, keys in the order given);
@@ -1498,12 +1500,11 @@ class _Converter:
     def type_object(self, d: dict, ptr: str, nest: int) -> _R | None:
         props = self.schema_map(d, "properties", ptr)
         required = self.string_list(d, "required", ptr)
-        if self.schema_map(d, "patternProperties", ptr):
-            raise self.refuse("patternProperties", ptr, "patternProperties is not supported")
         extra_kw = ("additionalProperties" if "additionalProperties" in d else
                     "unevaluatedProperties" if "unevaluatedProperties" in d else None)
         extra_schema = True if extra_kw is None else self.schema_value(d[extra_kw], extra_kw, ptr)
         extra_ptr = _ptr_join(ptr, extra_kw or "additionalProperties")
+        pattern_extra = self.pattern_properties(d, ptr, nest, list(props) + list(required), extra_kw, extra_schema)
         req = set(required)
         items: list[tuple[_R, bool]] = []
         present: list[str] = []
@@ -1523,11 +1524,14 @@ class _Converter:
                 items.append((self.key_value(self.key(name), v), True))
                 present.append(name)
         names = list(props) + [n for n in required if n not in props]
-        if extra_kw is None and names and not self.open_objects:
-            extra_value = None  # silent about extra keys: the declared names only (module docstring)
+        if pattern_extra is not False:  # patternProperties: its keys are the extra keys
+            extra = pattern_extra
         else:
-            extra_value = self.extra_value(extra_schema, extra_ptr, nest, bool(names))
-        extra = None if extra_value is None else self.key_value(self.extra_key(names), extra_value)
+            if extra_kw is None and names and not self.open_objects:
+                extra_value = None  # silent about extra keys: the declared names only (module docstring)
+            else:
+                extra_value = self.extra_value(extra_schema, extra_ptr, nest, bool(names))
+            extra = None if extra_value is None else self.key_value(self.extra_key(names), extra_value)
         count = self.object_side_keywords(d, ptr, present, req, names, extra is not None)
         if count == "empty":  # maxProperties: 0
             return None if req & set(present) else self.wrap_object(None, True)
@@ -1535,6 +1539,36 @@ class _Converter:
         if count == "nonempty":  # minProperties: 1
             return None if body is None else self.wrap_object(body, False)
         return self.wrap_object(body, may_be_empty)
+
+    def pattern_properties(self, d: dict, ptr: str, nest: int, names: list[str], extra_kw: str | None,
+                           extra_schema: Any) -> _R | None | bool:
+        """The extra member (key regex, value regex) of ``patternProperties`` with one pattern P: keys
+        matching P (a search, as ``pattern``) with values of its schema; None when no such member can exist;
+        False without ``patternProperties``. Exact when no declared name matches P and the other keys are
+        not allowed (``additionalProperties: false``, or silent in the default closed mode)."""
+        pp = self.schema_map(d, "patternProperties", ptr)
+        if not pp:
+            return False
+        pp_ptr = _ptr_join(ptr, "patternProperties")
+        if len(pp) > 1:
+            raise self.refuse("patternProperties", ptr, "patternProperties with more than one pattern is not "
+                                                        "supported")
+        (pat, sub), = pp.items()
+        if (extra_kw is not None and extra_schema is not False) or (extra_kw is None and self.open_objects):
+            raise self.refuse("patternProperties", ptr, "patternProperties next to keys it does not match "
+                                                        "(additionalProperties other than false) is not supported")
+        key_content, _ = self.pattern({"pattern": pat}, pp_ptr)
+        try:
+            clash = [n for n in names if re.search(pat, n)]
+        except re.error as e:
+            raise self.refuse("patternProperties", ptr, f"cannot read pattern {pat!r}: {e}") from None
+        if clash:
+            raise self.refuse("patternProperties", ptr, f"declared property {clash[0]!r} also matches pattern "
+                                                        f"{pat!r}: not supported")
+        value = self.node(sub, _ptr_join(pp_ptr, pat), nest + 1)
+        if key_content is None or value is None:
+            return None
+        return self.key_value(self.rx.cat(self.rx.lit('"'), key_content, self.rx.lit('"')), value)
 
     def extra_value(self, schema: Any, ptr: str, nest: int, declares: bool) -> _R | None:
         """Values of extra keys: an explicit schema's regex; arbitrary values of depth
