@@ -1106,6 +1106,9 @@ def main(argv=None) -> int:
                     help="real-world schemas in MaskBench's format (a folder of SPLIT---NAME.json files, e.g. "
                          "maskbench/data of github.com/guidance-ai/jsonschemabench) instead of the test suite; "
                          "writes the section \"%s\"" % CORPUS_TITLE)
+    ap.add_argument("--names", default=None, metavar="FILE",
+                    help="with --corpus: only the files named in FILE (one name per line, # comments), e.g. "
+                         "docs/jsonschemabench_sample.txt; a name missing from the folder is an error")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     deadline = t_start + 60.0 * args.max_minutes
@@ -1116,6 +1119,12 @@ def main(argv=None) -> int:
             print(f"[{time.monotonic() - t_start:6.1f} s] {msg}", flush=True)
 
     cases = load_corpus(Path(args.corpus)) if args.corpus else load_suite()
+    if args.names:
+        wanted = [ln.strip() for ln in Path(args.names).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+        missing = sorted(set(wanted) - {c.file for c in cases})
+        if missing:
+            ap.error(f"{len(missing)} files named in {args.names} are not in {args.corpus}: {', '.join(missing[:5])}")
+        cases = [c for c in cases if c.file in set(wanted)]
     if args.only:
         keys = set(args.only.split(","))
         cases = [c for c in cases if c.file in keys or c.cid in keys]
@@ -1253,7 +1262,8 @@ def corpus_note(cases: list[Case], results: dict, others: dict, fst_lines: list,
         "real-world schemas from GitHub, Kubernetes, Snowplow, JSON Schema Store, the Washington Post's ANS, MCP "
         "and function-calling sets (Glaive, BFCL), with valid and invalid instances generated for them and checked "
         "by the Python and Rust `jsonschema` libraries); not vendored here: the names are in the JSON output "
-        "(`--json-out`), run it on a clone with `--corpus <clone>/maskbench/data`. Instances, compile and budget "
+        "(`--json-out`) and in `docs/jsonschemabench_sample.txt`: run it on a clone with `--corpus "
+        "<clone>/maskbench/data --names docs/jsonschemabench_sample.txt`. Instances, compile and budget "
         f"as in the section \"JSON Schema Test Suite\" (budget {args.budget_s:g} s); the suite's two "
         "suite-only rules (format-annotation, custom-metaschema) do not apply here, so valid instances of older "
         "drafts that fst rejects are counted by the other rules or as UNEXPLAINED. "
