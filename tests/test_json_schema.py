@@ -1113,3 +1113,28 @@ def test_pattern_properties_one_pattern():
         assert ei.value.keyword == "patternProperties"
     with pytest.raises(UnsupportedSchemaError):  # open objects: the keys it does not match would need a complement
         json_schema_to_regex(schema, open_objects=True)
+
+
+def test_pattern_properties_search_is_bounded():
+    # a declared name against a pattern a backtracking matcher takes exponential time on: refused within
+    # PATTERN_SEARCH_S, never a hang
+    schema = {"type": "object", "properties": {"a" * 40 + "b": {}}, "patternProperties": {"(a|aa)+$": {}},
+              "additionalProperties": False}
+    t0 = time.perf_counter()
+    with pytest.raises(UnsupportedSchemaError, match="took too long"):
+        json_schema_to_regex(schema)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_enum_check_of_patterns_is_bounded():
+    # enum values are filtered by jsonschema; its pattern keywords go through a time-bounded search here
+    # (Python's re takes ~4 s on 36 a's of this pattern and doubles per character)
+    t0 = time.perf_counter()
+    with pytest.raises(UnsupportedSchemaError, match="timed out"):
+        json_schema_to_regex({"type": "string", "pattern": "(a|aa)+$", "enum": ["a" * 60 + "b", "aab"]})
+    assert time.perf_counter() - t0 < 10
+    # and still exact where the search is quick
+    assert json_schema_to_regex({"type": "string", "pattern": "^a+$", "enum": ["aaa", "b"]}) == '"aaa"'
+    obj = {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False,
+           "enum": [{"x1": 1}, {"y": 2}, {"x2": "s"}]}
+    assert re.fullmatch(json_schema_to_regex(obj), '{"x1":1}') and json_schema_to_regex(obj) == r'\{"x1":1\}'

@@ -185,6 +185,9 @@ ANY_VALUE_DEPTH = 2
 #: open object costs a few tenths of a second of compile time even so.
 EXTRA_VALUE_DEPTH = 0
 
+#: Longest backtracking search of a ``patternProperties`` pattern in one declared name (seconds).
+PATTERN_SEARCH_S = 0.5
+
 #: Extra keys are compared with the declared names on at most this many leading characters: an extra key
 #: longer than that which starts with a declared name's first EXTRA_KEY_PREFIX characters is not generated
 #: at all (smaller language; keeps the key regex small).
@@ -1018,8 +1021,11 @@ class _Converter:
             except ImportError:  # pragma: no cover - jsonschema ships with vLLM
                 raise UnsupportedSchemaError("enum/const next to other keywords needs the jsonschema package",
                                              keyword="enum") from None
-            # the draft's own format checker (FormatChecker() also holds draft 3's "time", without offset)
-            self._validator = Draft202012Validator(self.root, format_checker=Draft202012Validator.FORMAT_CHECKER)
+            # the draft's own format checker (FormatChecker() also holds draft 3's "time", without offset);
+            # its pattern keywords search with a time bound (jsonschema's own use Python's re, which a pattern
+            # with nested repetitions keeps busy for hours on a 40-character value)
+            cls = _bounded_pattern_validator(Draft202012Validator, self.search_bounded)
+            self._validator = cls(self.root, format_checker=Draft202012Validator.FORMAT_CHECKER)
         return self._validator
 
     def enum(self, d: dict, ptr: str, origin: Any) -> _R | None:
@@ -1558,10 +1564,7 @@ class _Converter:
             raise self.refuse("patternProperties", ptr, "patternProperties next to keys it does not match "
                                                         "(additionalProperties other than false) is not supported")
         key_content, _ = self.pattern({"pattern": pat}, pp_ptr)
-        try:
-            clash = [n for n in names if re.search(pat, n)]
-        except re.error as e:
-            raise self.refuse("patternProperties", ptr, f"cannot read pattern {pat!r}: {e}") from None
+        clash = [n for n in names if self.searches(pat, n, ptr)]
         if clash:
             raise self.refuse("patternProperties", ptr, f"declared property {clash[0]!r} also matches pattern "
                                                         f"{pat!r}: not supported")
@@ -1569,6 +1572,33 @@ class _Converter:
         if key_content is None or value is None:
             return None
         return self.key_value(self.rx.cat(self.rx.lit('"'), key_content, self.rx.lit('"')), value)
+
+    def search_bounded(self, pat: str, text: str) -> bool:
+        """Whether ``pat`` matches somewhere in ``text``, by a backtracking matcher (the ``regex`` package, a
+        dependency) bounded in time: the deadline, at most :data:`PATTERN_SEARCH_S`.
+
+        Raises:
+            TimeoutError: the match ran out of time (a pattern with nested repetitions).
+            regex.error: ``pat`` does not compile.
+        """
+        import regex as regex_module
+
+        left = PATTERN_SEARCH_S if self.deadline is None else min(PATTERN_SEARCH_S, self.deadline - time.perf_counter())
+        return regex_module.search(pat, text, timeout=max(left, 1e-3)) is not None
+
+    def searches(self, pat: str, text: str, ptr: str) -> bool:
+        """:meth:`search_bounded` for ``patternProperties`` (a pattern :meth:`prescan_pattern` accepted).
+
+        Raises:
+            UnsupportedSchemaError: the match runs out of time, or the pattern does not compile.
+        """
+        try:
+            return self.search_bounded(pat, text)
+        except TimeoutError:
+            raise self.refuse("patternProperties", ptr, f"matching pattern {pat!r} against {text!r} took too "
+                                                        "long") from None
+        except Exception as e:  # noqa: BLE001 - regex.error
+            raise self.refuse("patternProperties", ptr, f"cannot read pattern {pat!r}: {e}") from None
 
     def extra_value(self, schema: Any, ptr: str, nest: int, declares: bool) -> _R | None:
         """Values of extra keys: an explicit schema's regex; arbitrary values of depth
@@ -1924,6 +1954,44 @@ def json_schema_to_regex(schema: dict | bool, whitespace_pattern: str | None = N
         raise CompileBudgetError(f"the JSON schema nests too deeply: its regex nests groups {depth} deep, over the "
                                  f"regex parser's limit of {MAX_GROUP_DEPTH}", None)
     return result.text
+
+
+def _bounded_pattern_validator(base: Any, search: Any) -> Any:
+    """``base`` (a jsonschema validator class) with ``pattern``, ``patternProperties`` and
+    ``additionalProperties`` reading patterns through ``search(pattern, text) -> bool`` (time-bounded; it
+    raises ``TimeoutError``) instead of ``re.search``; ``base`` itself where jsonschema cannot be extended."""
+    try:
+        from jsonschema import ValidationError, validators
+    except ImportError:  # pragma: no cover - jsonschema ships with vLLM
+        return base
+
+    def pattern(validator, patrn, instance, schema):
+        if validator.is_type(instance, "string") and not search(patrn, instance):
+            yield ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    def pattern_properties(validator, pp, instance, schema):
+        if validator.is_type(instance, "object"):
+            for pat, sub in pp.items():
+                for k, v in instance.items():
+                    if search(pat, k):
+                        yield from validator.descend(v, sub, path=k, schema_path=pat)
+
+    def additional_properties(validator, ap, instance, schema):
+        if not validator.is_type(instance, "object"):
+            return
+        props, pats = schema.get("properties", {}), list(schema.get("patternProperties", {}))
+        extras = [k for k in instance if k not in props and not any(search(p, k) for p in pats)]
+        if validator.is_type(ap, "object"):
+            for k in extras:
+                yield from validator.descend(instance[k], ap, path=k)
+        elif not ap and extras:
+            yield ValidationError(f"Additional properties are not allowed ({', '.join(map(repr, extras))})")
+
+    try:
+        return validators.extend(base, {"pattern": pattern, "patternProperties": pattern_properties,
+                                        "additionalProperties": additional_properties})
+    except Exception:  # noqa: BLE001 - another jsonschema API: its own keywords
+        return base
 
 
 def _split_alternatives(text: str) -> list[str]:
