@@ -188,3 +188,59 @@ def metrics_after(server, before: dict[str, float], finished: int) -> dict[str, 
 
 def metric_delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None) -> tuple[float, float, dict]:
+    """``n`` concurrent requests, each with a new heavy JSON schema (bounded strings: tens of ms of compile
+    each, queued in the compile processes) and a long distinct prompt (~330 tokens to prefill), one of them
+    through the completions endpoint with n = 2; ``xargs`` go to every request (``vllm_xargs``). Asserts
+    that every output is canonical and valid against its schema. Returns the deltas of
+    ``vllm_fst_first_samples_in_step_total`` and ``vllm_fst_late_first_samples_total`` and the metrics after
+    (``tag`` makes the schemas new to a server that ran this before)."""
+    import jsonschema
+    import requests
+    from concurrent.futures import ThreadPoolExecutor
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL))
+    eos_ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    warm = requests.post(server.base + "/v1/chat/completions", timeout=120, json={
+        "model": server.model, "max_tokens": 4, "messages": [{"role": "user", "content": "yes or no?"}],
+        "structured_outputs": {"regex": "(yes|no)"}})
+    assert warm.status_code == 200, warm.text  # the request path warmed up
+    before = metrics(server)
+    schemas = [
+        {"type": "object", "properties": {f"{tag}_item_{i}": {"type": "string", "maxLength": 20 + i},
+                                          "remark": {"type": "string", "maxLength": 180 + i},
+                                          "rank": {"type": "integer", "minimum": 1, "maximum": 9 + i}},
+         "required": [f"{tag}_item_{i}", "rank"], "additionalProperties": False}
+        for i in range(n)
+    ]
+    preface = "You answer with one JSON object and nothing else. " * 30
+    extra = {"vllm_xargs": xargs} if xargs else {}
+
+    def one(i: int):
+        prompt = f"Request {i} of {n}. " + preface + f"Give {tag}_item_{i} and rank."
+        if i == n - 1:  # the completions endpoint, two samples (two engine requests on one constraint)
+            body = {"model": server.model, "max_tokens": 256, "temperature": 1.0, "return_token_ids": True, "n": 2,
+                    "prompt": prompt + "\n", "structured_outputs": {"json": schemas[i]}, **extra}
+            return requests.post(server.base + "/v1/completions", json=body, timeout=120)
+        body = {"model": server.model, "max_tokens": 256, "temperature": 0.0 if i % 2 else 1.0, "return_token_ids": True,
+                "messages": [{"role": "user", "content": prompt}], **extra,
+                "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}}
+        return requests.post(server.base + "/v1/chat/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(n) as ex:
+        results = list(ex.map(one, range(n)))
+    for i, res in enumerate(results):
+        outs = outputs_of(res, eos_ids)
+        assert len(outs) == (2 if i == n - 1 else 1)
+        for text, ids in outs:
+            assert_canonical(tok, text, ids)
+            jsonschema.validate(json.loads(text), schemas[i])
+    after = metrics_after(server, before, n + 1)
+    in_step = metric_delta(after, before, "vllm_fst_first_samples_in_step_total")
+    late = metric_delta(after, before, "vllm_fst_late_first_samples_total")
+    print(f"\nfirst samples ({tag}): {in_step:.0f} in their step, {late:.0f} dropped (grammar late)")
+    assert metric_delta(after, before, "vllm_fst_pending_prefill_tokens_total") > 300 * 2
+    return in_step, late, {"before": before, "after": after}

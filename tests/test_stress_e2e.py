@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from server_testlib import MODEL, assert_canonical, e2e_opted_out, fst_server, group_rss_bytes, metric_delta, metrics, metrics_after, outputs_of
+from server_testlib import e2e_opted_out, fst_server, group_rss_bytes, new_schema_burst
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -170,51 +170,9 @@ def test_new_constraints_are_sampled_in_the_step_their_grammar_arrives_in(server
     prompt token computed again (``vllm_fst_late_first_samples_total``), the others sampled at once
     (``vllm_fst_first_samples_in_step_total``). Every output is valid and canonical (a dropped token
     never reaches the client, the grammar or the next step's input)."""
-    import jsonschema
-    from concurrent.futures import ThreadPoolExecutor
-
     import requests
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(MODEL))
-    eos_ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-    r, _ = _chat(server, {"regex": "(yes|no)"})  # the request path warmed up
-    assert r.status_code == 200, r.text
-    before = metrics(server)
-    n = 6
-    schemas = [
-        {"type": "object", "properties": {f"item_{i}": {"type": "string", "maxLength": 20 + i},
-                                          "remark": {"type": "string", "maxLength": 180 + i},
-                                          "rank": {"type": "integer", "minimum": 1, "maximum": 9 + i}},
-         "required": [f"item_{i}", "rank"], "additionalProperties": False}
-        for i in range(n)
-    ]
-    preface = "You answer with one JSON object and nothing else. " * 30  # ~330 prompt tokens to prefill
-
-    def one(i: int):
-        prompt = f"Request {i} of {n}. " + preface + f"Give item_{i} and rank."
-        if i == n - 1:  # the completions endpoint, two samples (two engine requests on one constraint)
-            body = {"model": server.model, "max_tokens": 256, "temperature": 1.0, "return_token_ids": True, "n": 2,
-                    "prompt": prompt + "\n", "structured_outputs": {"json": schemas[i]}}
-            return requests.post(server.base + "/v1/completions", json=body, timeout=120)
-        body = {"model": server.model, "max_tokens": 256, "temperature": 0.0 if i % 2 else 1.0, "return_token_ids": True,
-                "messages": [{"role": "user", "content": prompt}],
-                "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}}
-        return requests.post(server.base + "/v1/chat/completions", json=body, timeout=120)
-
-    with ThreadPoolExecutor(n) as ex:
-        results = list(ex.map(one, range(n)))
-    for i, res in enumerate(results):
-        outs = outputs_of(res, eos_ids)
-        assert len(outs) == (2 if i == n - 1 else 1)
-        for text, ids in outs:
-            assert_canonical(tok, text, ids)
-            jsonschema.validate(json.loads(text), schemas[i])
-    after = metrics_after(server, before, n + 1)
-    in_step = metric_delta(after, before, "vllm_fst_first_samples_in_step_total")
-    late = metric_delta(after, before, "vllm_fst_late_first_samples_total")
-    print(f"\nfirst samples: {in_step:.0f} in their step, {late:.0f} dropped (grammar late)")
-    assert metric_delta(after, before, "vllm_fst_pending_prefill_tokens_total") > 300 * 2
+    in_step, late, _ = new_schema_burst(server, "first-sample")
     assert late >= 1  # the queued compiles end after their requests' first steps
     assert in_step + late >= 2
     assert requests.get(server.base + "/health", timeout=10).status_code == 200

@@ -680,7 +680,8 @@ def test_033_keeps_what_the_first_sample_in_the_step_relies_on():
     request with no sampled token no output and no grammar advance, and asserts that such a request has
     no prompt logprobs (why requests asking for them keep the old way); the scheduler sends each running
     request's ``num_output_tokens`` and the worker truncates its copy to it (how a dropped token leaves
-    the worker); the config fields the gate reads exist; CPU forces synchronous scheduling."""
+    the worker); the config fields the gate reads exist; CPU forces synchronous scheduling; the drafts of
+    a step reach the scheduler after its output, and a prefill chunk's are dropped."""
     step = excerpt("vllm/v1/engine/core.py", "EngineCore.step")
     dispatch = step.index("self.model_executor.execute_model(scheduler_output, non_block=True)")
     ask = step.index("self.scheduler.get_grammar_bitmask(scheduler_output)")
@@ -706,3 +707,12 @@ def test_033_keeps_what_the_first_sample_in_the_step_relies_on():
                       "elif num_output_tokens < len(req_state.output_token_ids):",
                       "del req_state.output_token_ids[num_output_tokens:]"]
     assert _lines("vllm/platforms/cpu.py", "async_scheduling") == ["scheduler_config.async_scheduling = False"]
+    # with the forced-token proposer: the step's drafts come after update_from_output (post_step), and a
+    # prefill chunk's are ignored (how the drafts of a dropped sample are)
+    engine = excerpt("vllm/v1/engine/core.py", "EngineCoreProc._process_engine_step")
+    assert engine.index("self.step_fn()") < engine.index("self.post_step(model_executed)")
+    post = excerpt("vllm/v1/engine/core.py", "EngineCore.post_step")
+    assert "self.scheduler.update_draft_token_ids(draft_token_ids)" in post and "not self.async_scheduling" in post
+    drafts = excerpt("vllm/v1/core/sched/scheduler.py", "Scheduler.update_draft_token_ids")
+    assert params(def_node(drafts)) == ["self", "draft_token_ids"]
+    assert "if request.is_prefill_chunk:" in drafts and "request.spec_token_ids = []" in drafts

@@ -609,6 +609,17 @@ def test_new_constraint_prefills_while_the_api_server_compiles_it(server, tok, e
     assert status == 400 and "admits no value" in body["error"]["message"], body
 
 
+def test_first_samples_dropped_with_jumps_on(server):
+    """On the jump proposer's server, too, a request whose grammar comes after its first step has that
+    sample dropped (its drafts with it) and the proposer starts over: every output of a burst of new heavy
+    schemas with ``fst_jump`` on is valid and canonical, and jumps still happen."""
+    from server_testlib import new_schema_burst
+
+    in_step, late, m = new_schema_burst(server, "jumps", xargs={"fst_jump": True})
+    assert late >= 1 and in_step + late >= 2
+    assert _delta(m["after"], m["before"], "vllm_fst_jump_draft_tokens_total") > 0
+
+
 def test_server_still_healthy(server):
     import requests
 

@@ -701,6 +701,26 @@ def test_proposer_disables_itself_on_divergence(fake_stages):
     assert prop._states["x"].disabled
 
 
+def test_proposer_forgets_a_first_sample_the_scheduler_dropped(fake_stages):
+    """The first sample in the step (patches.py) may drop a request's first sample; the worker then takes
+    it back and the next step samples again: the proposer starts its matcher over instead of keeping the
+    dropped token's state."""
+    prop = proposer.FstForcedTokenProposer(_vllm_config(k=3))
+    st = _req_state({"fst_jump": True}, [0], regex="abcdef")
+    runner = _runner([("x", st)])
+    prop.bind_runner(runner)
+    prop.propose([[0]])
+    _wait(prop, "x")
+    assert prop.propose([[0]]) == [[1, 2, 3]]  # after "a": "bcd"
+    st.output_token_ids[:] = []  # "a" dropped: the worker took it back
+    assert prop.propose([[0]]) == [[0, 1, 2]]  # from the start again (a kept state would give "bcd")
+    assert prop._states["x"].consumed == 0 and not prop._states["x"].disabled
+    st.output_token_ids[:] = [0]  # sampled again in the next step
+    assert prop.propose([[0]]) == [[1, 2, 3]]
+    st.output_token_ids[:] = [2]  # another first token than the one taken: started over, then checked
+    assert prop.propose([[2]]) == [[]] and prop._states["x"].disabled  # ("c" cannot start this chain)
+
+
 def test_proposer_off_with_other_backend_or_reasoning(fake_stages):
     cfg = _vllm_config(backend="xgrammar", k=2)
     assert not proposer.FstForcedTokenProposer(cfg).enabled
@@ -943,8 +963,13 @@ def test_first_sample_in_the_step_is_only_where_a_dropped_sample_can_be_taken_ba
     """The whole-prompt prefill of a pending request needs vLLM's synchronous step (the bitmask is asked
     for while the model runs, the output comes before the next step is scheduled), no drafts, one
     pipeline stage and no KV connector, on a server of the fst backend (others' steps are not timed);
-    ``VLLM_FST_FIRST_SAMPLE=0`` turns it off."""
+    drafts only from fst's forced-token proposer (it forgets a dropped sample); ``VLLM_FST_FIRST_SAMPLE=0``
+    turns it off."""
     assert patches._first_sample_state(_first_sample_scheduler()) is not None
+    jumps = types.SimpleNamespace(speculative_config=types.SimpleNamespace(
+        method="custom_class", model="vllm_fst_backend.vllm_plugin.FstForcedTokenProposer", num_speculative_tokens=4),
+        structured_outputs_config=types.SimpleNamespace(backend="fst"))
+    assert patches._first_sample_state(_first_sample_scheduler(vllm_config=jumps)) is not None
     on = types.SimpleNamespace(pipeline_parallel_size=1)
     for over in (dict(scheduler_config=types.SimpleNamespace(async_scheduling=True)),
                  dict(vllm_config=types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=4),
@@ -1027,6 +1052,15 @@ def test_first_sample_in_the_step_waits_for_the_grammar_or_drops_the_sample(fake
     assert update(sched, None, mro) == {} and seen[-1] == [[], [9]]
     assert req.num_computed_tokens == 49 and patches._first_sample_state(sched).late == set()
     assert patches._first_sample_state(sched).clock.steps  # the step was timed
+    # the drafts the forced-token proposer made from the dropped sample are ignored, as a prefill chunk's
+    chunk_at_call = []
+    drafts = patches._make_first_sample_drafts(lambda self, d: chunk_at_call.append(req.is_prefill_chunk))
+    assert patches._first_sample_state(sched).dropped == {"f1"}
+    drafts(sched, types.SimpleNamespace(req_ids=["f1"], draft_token_ids=[[1, 2]]))
+    assert chunk_at_call == [True] and req.is_prefill_chunk is False
+    assert patches._first_sample_state(sched).dropped == set()
+    drafts(sched, types.SimpleNamespace(req_ids=["f1"], draft_token_ids=[[1, 2]]))  # a later step's: kept
+    assert chunk_at_call == [True, False]
 
     # the compile ends during the next step's forward pass: f1 is sampled in that step, under its grammar
     fake_stages.compile("ab", options.FstRequestOptions())  # the API server's compile

@@ -392,8 +392,8 @@ def _patch_scheduler() -> None:
     new tokens this step, waiting and running requests alike). Two ways (docs/vllm-integration.md, touch
     point 9):
 
-    * *first sample in the step* (:func:`_first_sample_in_step`: synchronous scheduling, no speculative
-      decoding, one pipeline stage, no KV connector, no prompt logprobs): the request is prefilled whole
+    * *first sample in the step* (:func:`_first_sample_in_step`: synchronous scheduling, no drafter but
+      fst's jump proposer, one pipeline stage, no KV connector, no prompt logprobs): the request is prefilled whole
       at once; ``get_grammar_bitmask``, which the engine core calls while the model computes the step,
       waits for its grammar at most as long as the forward pass takes (:class:`pending.StepClock`); a
       grammar still pending then leaves the request out of the bitmask, and ``update_from_output`` drops
@@ -480,6 +480,7 @@ def _patch_scheduler() -> None:
     _wrap(Scheduler, "_reserve_prefill_lookahead", make_cap)
     _wrap(Scheduler, "get_grammar_bitmask", _make_first_sample_bitmask)
     _wrap(Scheduler, "update_from_output", _make_first_sample_update)
+    _wrap(Scheduler, "update_draft_token_ids", _make_first_sample_drafts)
 
 
 def _make_first_sample_bitmask(orig):
@@ -493,6 +494,7 @@ def _make_first_sample_bitmask(orig):
             return orig(self, scheduler_output)
         fs.clock.start(scheduler_output.total_num_scheduled_tokens)
         fs.late.clear()  # (a step is asked for its bitmask once, then gives its output)
+        fs.dropped.clear()  # (the previous step's, had it no drafts to give)
         late = []
         if scheduler_output.has_structured_output_requests:
             cands = [req for rid in scheduler_output.num_scheduled_tokens
@@ -531,20 +533,45 @@ def _make_first_sample_update(orig):
         dropped = _drop_samples(model_runner_output, late)
         out = orig(self, scheduler_output, model_runner_output)
         _take_back_last_token(self, dropped)
+        fs.dropped.update(dropped)
         return out
 
     return update_from_output
 
 
-class _FirstSample:
-    """Per-scheduler state of the first sample in the step (:func:`_patch_scheduler`): the step clock
-    and the ids of the requests whose sample of the current step is to be dropped."""
+def _make_first_sample_drafts(orig):
+    """Wrap ``Scheduler.update_draft_token_ids`` (after ``update_from_output``, with the drafts the
+    forced-token proposer made from this step's samples): the requests whose sample was dropped get no
+    drafts (they came from the dropped token), as vLLM treats a prefill chunk's."""
 
-    __slots__ = ("clock", "late")
+    def update_draft_token_ids(self, draft_token_ids):
+        fs = _first_sample_state(self)
+        if fs is None or not fs.dropped:
+            return orig(self, draft_token_ids)
+        reqs = [r for rid in fs.dropped if (r := self.requests.get(rid)) is not None and not r.is_prefill_chunk]
+        fs.dropped.clear()
+        for r in reqs:
+            r.is_prefill_chunk = True
+        try:
+            return orig(self, draft_token_ids)
+        finally:
+            for r in reqs:
+                r.is_prefill_chunk = False
+
+    return update_draft_token_ids
+
+
+class _FirstSample:
+    """Per-scheduler state of the first sample in the step (:func:`_patch_scheduler`): the step clock,
+    the ids of the requests whose sample of the current step is to be dropped, and of those whose sample
+    was dropped (until the step's drafts come in)."""
+
+    __slots__ = ("clock", "late", "dropped")
 
     def __init__(self):
         self.clock = pending.StepClock()
         self.late: set = set()
+        self.dropped: set = set()
 
 
 def _first_sample_state(sched: Any) -> _FirstSample | None:
@@ -559,11 +586,17 @@ def _first_sample_state(sched: Any) -> _FirstSample | None:
         so_cfg = getattr(cfg, "structured_outputs_config", None)
         ok = (pending.first_sample_enabled() and getattr(so_cfg, "backend", None) == BACKEND_NAME
               and sc is not None and getattr(sc, "async_scheduling", True) is False
-              and cfg is not None and getattr(cfg, "speculative_config", True) is None
+              and cfg is not None and _no_drafts_but_jumps(getattr(cfg, "speculative_config", True))
               and getattr(pc, "pipeline_parallel_size", 2) == 1 and getattr(sched, "connector", True) is None)
         st = _FirstSample() if ok else None
         sched._fst_first_sample = st
     return st
+
+
+def _no_drafts_but_jumps(spec: Any) -> bool:
+    """Whether a ``speculative_config`` is none, or fst's forced-token proposer (which forgets a dropped
+    sample: :meth:`.proposer.FstForcedTokenProposer._propose_one`); other drafters are not known to."""
+    return spec is None or str(getattr(spec, "model", "")).endswith("FstForcedTokenProposer")
 
 
 def _drop_samples(model_runner_output: Any, req_ids: set) -> list[str]:

@@ -28,6 +28,7 @@ class _JumpState:
     matcher: Any = None
     future: Future | None = None
     consumed: int = 0
+    first: int | None = None  # the first output token the matcher took
     disabled: bool = False
 
 
@@ -196,6 +197,11 @@ class FstForcedTokenProposer:
                 return []
             st.future = None
         outs = req_state.output_token_ids
+        if st.consumed and (len(outs) < st.consumed or outs[0] != st.first):
+            # the scheduler dropped the first sample (its grammar came after the step: the first sample in
+            # the step, patches.py) and the worker took it back; the next step sampled another
+            st.matcher.reset()
+            st.consumed, st.first = 0, None
         new = list(outs[st.consumed :])
         if any(t < 0 for t in new):  # async-scheduling placeholders: not supported
             st.disabled = True
@@ -204,6 +210,8 @@ class FstForcedTokenProposer:
             if not st.matcher.accept_tokens(req_id, new):
                 st.disabled = True
                 return []
+            if not st.consumed:
+                st.first = new[0]
             st.consumed = len(outs)
         if st.matcher.is_terminated():
             return []
