@@ -190,6 +190,18 @@ def metric_delta(after: dict[str, float], before: dict[str, float], name: str) -
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
+LONG_PREFACE = "You answer with one JSON object and nothing else. " * 30  # ~330 prompt tokens to prefill
+
+
+def heavy_schemas(field: str, n: int, text_len: int = 180) -> list[dict]:
+    """``n`` distinct JSON schemas whose bounded strings unroll into automaton states (tens of ms of compile
+    each): ``{field}_{i}`` (a string), ``remark`` (a longer string), ``rank`` (a bounded integer)."""
+    return [{"type": "object", "properties": {f"{field}_{i}": {"type": "string", "maxLength": 20 + i},
+                                              "remark": {"type": "string", "maxLength": text_len + i},
+                                              "rank": {"type": "integer", "minimum": 1, "maximum": 9 + i}},
+             "required": [f"{field}_{i}", "rank"], "additionalProperties": False} for i in range(n)]
+
+
 def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None) -> tuple[float, float, dict]:
     """``n`` concurrent requests, each with a new heavy JSON schema (bounded strings: tens of ms of compile
     each, queued in the compile processes) and a long distinct prompt (~330 tokens to prefill), one of them
@@ -209,14 +221,8 @@ def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None) ->
         "structured_outputs": {"regex": "(yes|no)"}})
     assert warm.status_code == 200, warm.text  # the request path warmed up
     before = metrics(server)
-    schemas = [
-        {"type": "object", "properties": {f"{tag}_item_{i}": {"type": "string", "maxLength": 20 + i},
-                                          "remark": {"type": "string", "maxLength": 180 + i},
-                                          "rank": {"type": "integer", "minimum": 1, "maximum": 9 + i}},
-         "required": [f"{tag}_item_{i}", "rank"], "additionalProperties": False}
-        for i in range(n)
-    ]
-    preface = "You answer with one JSON object and nothing else. " * 30
+    schemas = heavy_schemas(f"{tag}_item", n)
+    preface = LONG_PREFACE
     extra = {"vllm_xargs": xargs} if xargs else {}
 
     def one(i: int):

@@ -29,7 +29,7 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-from server_testlib import MODEL, e2e_opted_out, fst_server, stack_problems
+from server_testlib import LONG_PREFACE, MODEL, e2e_opted_out, fst_server, heavy_schemas, new_schema_burst, stack_problems
 from server_testlib import assert_canonical as _assert_canonical
 from server_testlib import metric_delta as _delta
 from server_testlib import metrics as _metrics
@@ -534,7 +534,6 @@ def test_compile_time_and_forced_tokens_visible(server, eos_ids):
 
 # ---- (h) a new constraint compiles while its request prefills ---------------------------------------------------
 
-LONG_PREFACE = "You answer with one JSON object and nothing else. " * 30  # ~330 prompt tokens to prefill
 
 
 def _stream_chat(server, extra: dict, content: str, max_tokens: int = 64):
@@ -567,17 +566,11 @@ def test_new_constraint_prefills_while_the_api_server_compiles_it(server, tok, e
     # compiles queue in the API server's compile processes, so the later requests reach the engine long
     # before their automata exist (a request whose compile ends before its prompt is rendered does not
     # overlap anything)
-    schemas = [
-        {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 12 + i},
-                                          "note": {"type": "string", "maxLength": 200 + i},
-                                          "count": {"type": "integer", "minimum": 0, "maximum": 50 + i}},
-         "required": [f"field_{i}", "count"], "additionalProperties": False}
-        for i in range(4)
-    ]
+    schemas = heavy_schemas("field", 4, text_len=200)
 
     def one(i: int):
         extra = {"response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}}
-        prompt = f"Request {i} of 4. " + LONG_PREFACE + f"Give field_{i} and count."  # no shared prefix
+        prompt = f"Request {i} of 4. " + LONG_PREFACE + f"Give field_{i} and rank."  # no shared prefix
         if i == 1:
             return _stream_chat(server, extra, prompt)
         if i == 3:  # the completions endpoint, two samples
@@ -613,8 +606,6 @@ def test_first_samples_dropped_with_jumps_on(server):
     """On the jump proposer's server, too, a request whose grammar comes after its first step has that
     sample dropped (its drafts with it) and the proposer starts over: every output of a burst of new heavy
     schemas with ``fst_jump`` on is valid and canonical, and jumps still happen."""
-    from server_testlib import new_schema_burst
-
     in_step, late, m = new_schema_burst(server, "jumps", xargs={"fst_jump": True})
     assert late >= 1 and in_step + late >= 2
     assert _delta(m["after"], m["before"], "vllm_fst_jump_draft_tokens_total") > 0

@@ -1994,34 +1994,10 @@ def _bounded_pattern_validator(base: Any, search: Any) -> Any:
         return base
 
 
-def _split_alternatives(text: str) -> list[str]:
-    """The top-level alternatives of a pattern (``|`` outside groups and classes; escapes skipped)."""
-    parts, depth, in_class, start, i = [], 0, False, 0, 0
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        elif c == "|" and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-        i += 1
-    parts.append(text[start:])
-    return parts
-
-
-def _whole_group_inner(text: str) -> str | None:
-    """The inside of ``text`` when it is one group (``(...)`` / ``(?:...)``) with a single alternative."""
-    if not (text.startswith("(") and text.endswith(")")):
-        return None
+def _outside_classes(text: str):
+    """``(index, character, group depth)`` of the characters of a pattern outside escapes and character
+    classes; the depth counts the groups open around the character (a group's own parentheses are at the
+    depth outside it)."""
     depth, in_class, i = 0, False, 0
     while i < len(text):
         c = text[i]
@@ -2032,14 +2008,25 @@ def _whole_group_inner(text: str) -> str | None:
             in_class = c != "]"
         elif c == "[":
             in_class = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-            if depth == 0:
-                break
+        else:
+            depth -= c == ")"
+            yield i, c, depth
+            depth += c == "("
         i += 1
-    if i != len(text) - 1:
+
+
+def _split_alternatives(text: str) -> list[str]:
+    """The top-level alternatives of a pattern (``|`` outside groups and classes; escapes skipped)."""
+    cuts = [i for i, c, d in _outside_classes(text) if c == "|" and d == 0]
+    return [text[a + 1 : b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
+
+
+def _whole_group_inner(text: str) -> str | None:
+    """The inside of ``text`` when it is one group (``(...)`` / ``(?:...)``) with a single alternative."""
+    if not (text.startswith("(") and text.endswith(")")):
+        return None
+    close = next((i for i, c, d in _outside_classes(text) if c == ")" and d == 0), None)
+    if close != len(text) - 1:
         return None
     inner = text[3:-1] if text.startswith("(?:") else text[1:-1]
     return inner if len(_split_alternatives(inner)) == 1 else None
@@ -2062,22 +2049,6 @@ def _edge_anchors(text: str) -> tuple[str, bool, bool]:
 
 
 def _group_depth(regex: str) -> int:
-    """Deepest group nesting of ``regex`` (escapes and classes skipped)."""
-    depth = best = 0
-    i, n, in_class = 0, len(regex), False
-    while i < n:
-        c = regex[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True  # our classes escape every ']' inside them
-        elif c == "(":
-            depth += 1
-            best = max(best, depth)
-        elif c == ")":
-            depth -= 1
-        i += 1
-    return best
+    """Deepest group nesting of ``regex`` (escapes and classes skipped; our classes escape every ``]``
+    inside them)."""
+    return max((d + 1 for _, c, d in _outside_classes(regex) if c == "("), default=0)
