@@ -602,12 +602,14 @@ def test_new_constraint_prefills_while_the_api_server_compiles_it(server, tok, e
     assert status == 400 and "admits no value" in body["error"]["message"], body
 
 
-def test_first_samples_dropped_with_jumps_on(server):
-    """On the jump proposer's server, too, a request whose grammar comes after its first step has that
-    sample dropped (its drafts with it) and the proposer starts over: every output of a burst of new heavy
+def test_first_samples_in_the_step_with_jumps_on(server):
+    """On the jump proposer's server, too, requests with new constraints are prefilled whole and sampled in
+    the step their grammar comes in; one whose grammar comes after its first step has that sample dropped
+    (its drafts with it) and the proposer starts over (which of the two happens depends on the machine's
+    speed; both ways are unit-tested in test_vllm_plugin_unit.py): every output of a burst of new heavy
     schemas with ``fst_jump`` on is valid and canonical, and jumps still happen."""
     in_step, late, m = new_schema_burst(server, "jumps", xargs={"fst_jump": True})
-    assert late >= 1 and in_step + late >= 2
+    assert in_step + late >= 2  # the first sample in the step, not the early prefill
     assert _delta(m["after"], m["before"], "vllm_fst_jump_draft_tokens_total") > 0
 
 
