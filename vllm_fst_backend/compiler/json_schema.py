@@ -1913,8 +1913,9 @@ def json_schema_to_regex(schema: dict | bool, whitespace_pattern: str | None = N
         limits: :class:`~.limits.InputLimits` (None: :meth:`InputLimits.from_env`); the schema is checked
             against them first, and the regex may not grow past ``max_regex_chars``.
         deadline: ``time.perf_counter()`` value after which conversion stops (None: none).
-        open_objects: an object that declares names (``properties`` / ``required``) and says nothing about
-            other keys (no ``additionalProperties`` / ``unevaluatedProperties``) also takes extra keys, as
+        open_objects: an object that declares names (``properties`` / ``required``; with
+            ``patternProperties``: refused instead) and says nothing about other keys (no
+            ``additionalProperties`` / ``unevaluatedProperties``) also takes extra keys, as
             JSON Schema allows; False (default): the declared names only, as xgrammar's and outlines'
             conversions in vLLM (a smaller language; such an object's automaton is about half as large).
 
