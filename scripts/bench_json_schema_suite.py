@@ -393,9 +393,13 @@ def smaller_language_rule(case: Case, inst: Instance) -> str | None:
 
 
 def _searches(pattern: str, text: str) -> bool:
+    """``patternProperties`` matching for the rules, bounded in time as in the converter (False: no match,
+    an invalid pattern, or out of time)."""
+    from vllm_fst_backend.compiler.json_schema import pattern_search
+
     try:
-        return re.search(pattern, text) is not None
-    except re.error:
+        return pattern_search(pattern, text, REGEX_CHECK_S)
+    except Exception:  # noqa: BLE001 - TimeoutError, regex.error
         return False
 
 

@@ -1581,10 +1581,8 @@ class _Converter:
             TimeoutError: the match ran out of time (a pattern with nested repetitions).
             regex.error: ``pat`` does not compile.
         """
-        import regex as regex_module
-
         left = PATTERN_SEARCH_S if self.deadline is None else min(PATTERN_SEARCH_S, self.deadline - time.perf_counter())
-        return regex_module.search(pat, text, timeout=max(left, 1e-3)) is not None
+        return pattern_search(pat, text, left)
 
     def searches(self, pat: str, text: str, ptr: str) -> bool:
         """:meth:`search_bounded` for ``patternProperties`` (a pattern :meth:`prescan_pattern` accepted).
@@ -1955,6 +1953,20 @@ def json_schema_to_regex(schema: dict | bool, whitespace_pattern: str | None = N
         raise CompileBudgetError(f"the JSON schema nests too deeply: its regex nests groups {depth} deep, over the "
                                  f"regex parser's limit of {MAX_GROUP_DEPTH}", None)
     return result.text
+
+
+def pattern_search(pat: str, text: str, timeout_s: float) -> bool:
+    """Whether the pattern ``pat`` matches somewhere in ``text``, by a backtracking matcher (the ``regex``
+    package, a dependency) stopped after ``timeout_s`` seconds (at least 1 ms): Python's ``re`` cannot be
+    stopped, and a pattern with nested repetitions keeps it busy for hours on a 40-character text.
+
+    Raises:
+        TimeoutError: the match ran out of time.
+        regex.error: ``pat`` does not compile.
+    """
+    import regex as regex_module
+
+    return regex_module.search(pat, text, timeout=max(timeout_s, 1e-3)) is not None
 
 
 def _bounded_pattern_validator(base: Any, search: Any) -> Any:
