@@ -50,6 +50,24 @@ def serving_constraints(n: int) -> list[tuple[str, str, object]]:
     return [(c.name, c.kind, c.spec) for c in make_serving_cases(n)]
 
 
+def tools_required_schema(tools: list[tuple[str, dict]]) -> dict:
+    """The JSON schema vLLM constrains a ``tool_choice="required"`` answer with, for tools ``(name,
+    parameters)``: an array (at least one item) of ``{"name": ..., "parameters": ...}`` objects, an anyOf
+    over the tools (vLLM's ``tool_parsers.utils._get_json_schema_from_tools``, vLLM 0.32-0.33;
+    ``tests/test_vllm_plugin_unit.py`` checks it is the same)."""
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+         "required": ["name", "parameters"]} for name, params in tools]}}
+
+
+def tool_cases(counts: list[int], n_requests: int) -> list[tuple[str, str, object]]:
+    """One ``tool_choice="required"`` constraint per count in ``counts``: the first N JSON schemas of the
+    serving workload as the tools' parameters."""
+    schemas = [(name, spec) for name, kind, spec in serving_constraints(max(n_requests, 4 * max(counts, default=0)))
+               if kind == "json"]
+    return [(f"tool_choice=required, {n} tools", "json", tools_required_schema(schemas[:n])) for n in counts]
+
+
 def fst_regex(kind: str, spec) -> str:
     from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
 
@@ -59,6 +77,7 @@ def fst_regex(kind: str, spec) -> str:
 def measure_fst(cases, arts, repeats: int) -> list[dict]:
     """Per constraint: the stats of the median-time compile of ``repeats`` cold compiles."""
     from vllm_fst_backend.compiler import compile_regex, forget_verdicts, prepare
+    from vllm_fst_backend.errors import CompileBudgetError
 
     prepare(arts)
     out = []
@@ -68,8 +87,16 @@ def measure_fst(cases, arts, repeats: int) -> list[dict]:
         for _ in range(repeats):
             forget_verdicts(arts)
             t0 = time.perf_counter()
-            a = compile_regex(rx, arts)
+            try:
+                a = compile_regex(rx, arts)
+            except CompileBudgetError as e:  # (refused: a request the fallback backend answers)
+                out.append({"name": name, "kind": kind, "ms": 1e3 * (time.perf_counter() - t0), "refused": str(e),
+                            "regex_chars": len(rx), "byte_states": None, "mode": "refused",
+                            **{k: 0.0 for k, _ in STAGES}})
+                break
             runs.append((time.perf_counter() - t0, a.stats))
+        if not runs:
+            continue
         runs.sort(key=lambda r: r[0])
         dt, st = runs[len(runs) // 2]
         out.append({"name": name, "kind": kind, "ms": 1e3 * dt, "regex_chars": len(rx),
@@ -154,12 +181,24 @@ def table(rows: list[dict], ordered: list[dict], xgr: tuple | None) -> str:
     return "\n".join(lines)
 
 
+def tool_rows(rows: list[dict], xgr_cold: list[float] | None) -> str:
+    """Table lines of the ``tool_choice="required"`` constraints (cold compiles)."""
+    out = []
+    for i, r in enumerate(rows):
+        fst = f"refused ({r['refused']}) after {r['ms']:.0f} ms" if r.get("refused") else f"{r['ms']:.1f}"
+        out.append(f"| {r['name']} | cold | {fst} | " + " | ".join(f"{r[k]:.0f}" for k, _ in STAGES)
+                   + f" | {'n/a' if xgr_cold is None else f'{xgr_cold[i]:.1f}'} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", default="models/SmolLM2-135M-Instruct")
     ap.add_argument("--artifacts", default=None, help="artifacts dir (default tokenizer_artifacts/<name>, built if stale)")
     ap.add_argument("--requests", type=int, default=24, help="number of serving constraints (a prefix of the list)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tools", default="2,4,6",
+                    help="tool counts of the tool_choice=required rows (comma-separated; empty: none)")
     ap.add_argument("--no-xgrammar", action="store_true")
     ap.add_argument("--no-write", action="store_true", help="print only; do not touch docs/benchmarks.md")
     args = ap.parse_args(argv)
@@ -176,6 +215,12 @@ def main(argv=None) -> int:
     ordered = measure_fst_in_order(cases, arts, args.repeats)
     xgr = None if args.no_xgrammar else measure_xgrammar(cases, args.tokenizer, int(arts.vocab_size), args.repeats)
     body = table(rows, ordered, xgr)
+    counts = [int(x) for x in args.tools.split(",") if x.strip()]
+    if counts:
+        tcases = tool_cases(counts, args.requests)
+        trows = measure_fst(tcases, arts, args.repeats)
+        txgr = None if args.no_xgrammar else measure_xgrammar(tcases, args.tokenizer, int(arts.vocab_size), args.repeats)
+        body += "\n" + tool_rows(trows, None if txgr is None else txgr[0])
     print(body)
     if args.no_write:
         return 0
@@ -196,6 +241,9 @@ def main(argv=None) -> int:
             "thread): cold = `cache_enabled=False`; in serving order = one `GrammarCompiler` with its cache on. "
             "Slowest (cold): "
             + ", ".join(f"`{r['name']}` {r['ms']:.0f} ms ({r['byte_states']} byte states)" for r in slow)
+            + ". Rows `tool_choice=required, N tools`: the schema vLLM constrains such an answer with "
+            "(an array of anyOf over N `{name, parameters}` objects, `tools_required_schema`), the first N JSON "
+            "schemas of the serving workload as the tools' parameters; cold compiles as above (xgrammar: cold)"
             + f". Host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end of the run.")
     write_section("Compile stages of the serving constraints", cmd.strip(), body, note)
     return 0

@@ -27,7 +27,21 @@ SCHEMAS = [
      "required": ["a", "b"], "additionalProperties": False},
     {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4},
 ]
-REGEXES = [json_schema_to_regex(s) for s in SCHEMAS] + [
+# tool_choice="required" as vLLM writes it (tool_parsers.utils._get_json_schema_from_tools): an array of
+# tool calls, each an anyOf of {name, parameters} objects
+TOOLS_REQUIRED = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+    {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params}, "required": ["name", "parameters"]}
+    for name, params in [
+        ("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                          "unit": {"enum": ["C", "F"]}}, "required": ["city"]}),
+        ("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                 "required": ["a", "b"]}),
+    ]]}}
+SCHEMAS.append(TOOLS_REQUIRED)
+SCHEMAS.append({"type": "array", "items": {"type": "object", "properties": {"x": {"type": "string", "maxLength": 4}},
+                                           "required": ["x"]}})
+REGEXES = [json_schema_to_regex(s) for s in SCHEMAS] + [r"(ab|c)(,(ab|c))*;(x(y|z)[0-9])( x(y|z)[0-9])*",
+                                                          r"a(;b?a)*", r"(a|)(,(a|))*", r"(ab)*(,(ab)*)*",
     r"(ab|cd)*(ab|ef)", r"[a-z]+( [a-z]+){0,5}", r"(x|y){2,6}z", r"\d{4}-\d{2}-\d{2}", r"(foo|bar|baz)+",
 ]
 
@@ -117,3 +131,44 @@ def test_minimize_through_binary_fst_equals_per_arc_path(regex, monkeypatch):
     (trans, final), = seen
     got = minimize(trans, final)
     assert got == char_dfa.minimize_reference(trans, final)
+
+
+SEPARATED = [json_schema_to_regex(TOOLS_REQUIRED), json_schema_to_regex(SCHEMAS[-1]),
+             r"(ab|c)(,(ab|c))*;(x(y|z)[0-9])( x(y|z)[0-9])*"]
+
+
+@pytest.mark.parametrize("regex", SEPARATED, ids=[f"sep{i}" for i in range(len(SEPARATED))])
+def test_separated_lists_built_once_keep_the_minimal_dfa(regex, monkeypatch):
+    """``X (S X)*`` is built with one copy of X (``_Glushkov.share_separated_lists``): the subset
+    construction makes fewer states, and the minimal DFA is the same, transition for transition, as
+    with two copies."""
+    import vllm_fst_backend.compiler.char_dfa as cd
+
+    raw = {}
+    for share in (True, False):
+        monkeypatch.setattr(cd._Glushkov, "share_separated_lists", share)
+        seen = []
+        monkeypatch.setattr(cd, "minimize", lambda t, f: seen.append(len(t)) or minimize(t, f))
+        dfa = regex_to_char_dfa(regex, max_states=100_000)
+        raw[share] = (seen[0], dfa.trans, dfa.final, dfa.classes)
+    assert raw[True][0] < raw[False][0]
+    assert raw[True][1:] == raw[False][1:]
+
+
+def test_separated_lists_are_found_where_exact():
+    """:func:`regex_parse.separated_lists` finds ``X (S X)*`` with S and X not nullable (the longest X);
+    :func:`regex_parse.estimate_positions` counts X once there."""
+    from vllm_fst_backend.compiler.regex_parse import estimate_positions, parse_regex, separated_lists
+
+    def found(rx):
+        node = parse_regex(rx)
+        return separated_lists(node[1]) if node[0] == "cat" else {}
+
+    assert found(r"\[(ab|c)(,(ab|c))*\]") == {1: (2, (("sym", (frozenset(","), False)),))}
+    assert list(found(r"\[ab(,ab)*\]")) == [1]  # X = "ab": two children of the outer concatenation
+    assert found(r"a(a)*") == {}  # S empty: a plain a+, not rewritten
+    assert found(r"\[a?(,a?)*\]") == {}  # X nullable
+    assert found(r"\[a(b?a)*\]") == {}  # S nullable
+    assert found(r"\[a(,a){0,3}\]") == {}  # a bounded count keeps its copies
+    assert estimate_positions(parse_regex(r"\[abc(,abc)*\]")) == 2 + 3 + 1
+    assert estimate_positions(parse_regex(r"\[abc(,abd)*\]")) == 2 + 3 + 4

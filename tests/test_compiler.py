@@ -915,6 +915,79 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
                     assert fast._inner_any(s, k, 0, a) == any(ok for _, ok in m2)
 
 
+_ARRAY_OF_OBJECTS = r"\[" + _SMALL_OBJECT + r"([ ]?,[ ]?" + _SMALL_OBJECT + r")*\]"
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_deadend_fixpoint_does_not_depend_on_evaluation_order(fst_artifacts, monkeypatch, name):
+    """:meth:`_Analysis.run`'s worklist (inside an SCC: nearest way out first, a re-evaluation deciding
+    only the entries still bad) reaches the least fixpoint of plain Kleene iteration: from all-bad, every
+    state evaluated in full on the reference path, round after round, until no table changes. The regex
+    is an array of objects (what ``tool_choice="required"`` makes), whose token DFA is one large SCC."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+
+    arts = fst_artifacts(name)
+    M, H, n = _token_dfa_of(arts, _ARRAY_OF_OBJECTS, monkeypatch)
+    comps = cp._sccs(M.num_states, M.edge_ptr, M.edge_next)
+    assert max(len(c) for c in comps) > M.num_states // 2
+    fast = cp._Analysis(M, H, time.perf_counter() + 300, n)
+    fast.run(n)
+    ref = cp._Analysis(M, H, time.perf_counter() + 600, n)
+    ref.use_kernels = False
+    all_bad = np.ones((ref.nsig, H.C), dtype=bool)
+    skip = (M.byte_state >= n) if H.acc is not None else np.zeros(M.num_states, dtype=bool)
+    for s in range(M.num_states):
+        ref._set(s, all_bad)
+    rounds, changed = 0, True
+    while changed:
+        changed, rounds = False, rounds + 1
+        for s in np.flatnonzero(~skip).tolist():
+            changed |= ref._set(s, ref.state_bad(s))
+            ref._inner_memo.clear()
+    assert rounds > 2  # (the fixpoint took more than one pass: the order matters to the worklist)
+    n_bad = 0
+    for s in range(M.num_states):
+        a, b = fast.bad[s], ref.bad[s]
+        assert (a is None) == (b is None), s
+        if a is not None:
+            assert np.array_equal(a, b), s
+            n_bad += int(a.sum())
+    assert n_bad > 0  # (some entries are bad: the filter is exercised)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_tool_choice_required_schema_walks_valid_and_canonical(fst_artifacts, fst_infos, name):
+    """``tool_choice="required"`` (vLLM's array of anyOf over ``{name, parameters}`` objects, the form the
+    character DFA builds with one copy of the repeated item): random walks end in JSON instances of the
+    schema (jsonschema) whose canonical tokenization (the tokenizer) is the walk."""
+    import json
+
+    import jsonschema
+
+    from scripts.bench_compile_serving import tools_required_schema
+    from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
+
+    schema = tools_required_schema([
+        ("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                                          "unit": {"enum": ["C", "F"]}}, "required": ["city"]}),
+        ("add", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                 "required": ["a"]}),
+    ])
+    regex = json_schema_to_regex(schema)
+    arts, info = fst_artifacts(name), fst_infos(name)
+    c = compile_regex(regex, arts, CompileOptions())
+    rnd = random.Random(11)
+    lengths = []
+    for _ in range(30):
+        ids, done = random_walk(c, rnd, max_steps=200, p_eos=1.0)
+        if done:
+            text = decode_text(info, ids)
+            jsonschema.validate(json.loads(text), schema)
+            assert ids == oracle_ids(info, text), (text, ids)
+            lengths.append(len(json.loads(text)))
+    assert len(lengths) >= 10 and max(lengths) >= 2  # (walks end, some with more than one tool call)
+
+
 def test_sccs_are_components_in_reverse_topological_order():
     """``canonical_product._sccs`` (the numba Tarjan) on random graphs against reachability: the
     components partition the nodes, two nodes share one iff each reaches the other, and every edge

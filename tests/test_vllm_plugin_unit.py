@@ -1106,3 +1106,17 @@ def test_step_clock_waits_a_share_of_the_shortest_recent_step_of_as_many_tokens(
     assert clock.steps[-1][0] == 16 and clock.steps[-1][1] >= 0.009
     clock.stop()  # no start: nothing recorded
     assert len(clock.steps) == 4
+
+
+def test_bench_tools_required_schema_is_vllms():
+    """``scripts/bench_compile_serving.tools_required_schema`` (the benchmark's ``tool_choice="required"``
+    constraints) is the schema vLLM itself builds for such a request."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    from scripts.bench_compile_serving import tools_required_schema
+
+    params = [("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+              ("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}})]
+    tools = [ChatCompletionToolsParam(type="function", function={"name": n, "parameters": p}) for n, p in params]
+    assert get_json_schema_from_tools("required", tools) == tools_required_schema(params)

@@ -1185,12 +1185,17 @@ class _Analysis:
         ent = None if wide[s] else (int(ent_sum[0, s]), int(ent_sum[1, s]))
         return (bool(M.accepting[s]), bool(self.mid[s]), bool(self.ws_in[s]), int(e0), int(e1), ent)
 
-    def state_bad(self, s: int):
+    def state_bad(self, s: int, only: np.ndarray | None = None):
         """The bad table of s given the current tables of its successors (None = all good); decided for
         the classes of :meth:`entering_classes` (the others are left good). Memoized by content across
         the compiles of the process (:mod:`.verdict_cache`); with byte fallback (inner goodness depends
         on the targets' own edges) and on the reference path (``use_kernels`` off: it must compute what
-        the tests compare) by the edges themselves, per compile."""
+        the tests compare) by the edges themselves, per compile.
+
+        ``only`` (``bool[nsig, C]``, optional): a table known to contain the answer (s's table from an
+        earlier evaluation in the same fixpoint iteration: successor tables only lose bad entries and
+        the evaluation is monotone in them, so the new table is a subset of the old one); only its
+        entries are decided, which gives the same table as deciding all of them."""
         M, H = self.M, self.H
         shared = H.acc is None and self.use_kernels
         if shared:
@@ -1227,6 +1232,8 @@ class _Analysis:
             # a product state (t, k, σ) with σ != ALL is only ever entered by a whitespace-final token,
             # so k is the class of one: other classes are irrelevant there (left good)
             idx = idx0.copy() if i == 0 else idx0[H.sigma_cls[i][idx0]]  # (σ_i, k) pairs that occur
+            if only is not None:
+                idx = idx[only[i, idx]]
             if not len(idx):
                 continue
             las = self._las[i]
@@ -1351,13 +1358,30 @@ class _Analysis:
                         preds[t].append(s)
             from collections import deque
 
-            queue = deque(reversed(comp))
+            # evaluation order: by distance (in token edges) to a way out of the SCC (an accepting state or
+            # an edge to a state outside it), nearest first, so a state's first evaluation sees most of its
+            # successors' tables already made; unreachable-to-exit states (all bad) last
+            exits = [s for s in comp if M.accepting[s] or any(
+                t not in members for t in M.edge_next[int(M.edge_ptr[s]) : int(M.edge_ptr[s + 1])].tolist())]
+            dist = dict.fromkeys(exits, 0)
+            frontier = deque(exits)
+            while frontier:
+                t = frontier.popleft()
+                for p in preds[t]:
+                    if p not in dist:
+                        dist[p] = dist[t] + 1
+                        frontier.append(p)
+            far = len(comp) + 1
+            queue = deque(sorted(comp, key=lambda s: dist.get(s, far)))
             queued = set(comp)
             steps = 0
             while queue:
                 s = queue.popleft()
                 queued.discard(s)
-                if self._set(s, self.state_bad(s)):
+                cur = self.bad[s]
+                if cur is None:  # all good already: it cannot change (tables only lose bad entries)
+                    continue
+                if self._set(s, self.state_bad(s, None if cur is all_bad else cur)):
                     self._inner_memo.clear()
                     for p in preds[s]:
                         if p not in queued:

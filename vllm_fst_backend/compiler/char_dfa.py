@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CompileBudgetError, EmptyLanguageError
+from .regex_parse import separated_lists
 
 MAX_CODEPOINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
@@ -250,9 +251,19 @@ class _Glushkov:
         if k == "eps":
             return frozenset(), frozenset(), True
         if k == "cat":
-            acc = self.build(node[1][0])
-            for child in node[1][1:]:
-                acc = self._cat(acc, self.build(child))
+            kids = node[1]
+            lists = separated_lists(kids) if self.share_separated_lists else {}
+            acc = None
+            i = 0
+            while i < len(kids):
+                if i in lists:
+                    end, sep = lists[i]
+                    part = self._separated_list(kids[i:end], sep)
+                    i = end + 1
+                else:
+                    part = self.build(kids[i])
+                    i += 1
+                acc = part if acc is None else self._cat(acc, part)
             return acc
         if k == "alt":
             first, last, nul = set(), set(), False
@@ -288,6 +299,21 @@ class _Glushkov:
                 acc = self._cat(acc, p)
             return acc
         raise ValueError(k)
+
+    # ``X (S X)*`` (a separated list: JSON arrays, ``tool_choice="required"``'s array of tool calls) is built
+    # with one copy of X's positions: the last positions of X lead to S, the last of S back to X. The
+    # language is the same; the subset construction then makes X's states once instead of twice (the two
+    # copies are equivalent states that only minimization would merge, after the state budget counted
+    # them).
+    share_separated_lists = True
+
+    def _separated_list(self, x_kids, sep_kids):
+        """Glushkov triple of ``X (S X)*`` with one copy of X (see :attr:`share_separated_lists`)."""
+        fx, lx, _ = self.build(("cat", tuple(x_kids)) if len(x_kids) > 1 else x_kids[0])
+        fs, ls, _ = self.build(("cat", tuple(sep_kids)) if len(sep_kids) > 1 else sep_kids[0])
+        self._link(lx, fs)
+        self._link(ls, fx)
+        return fx, lx, False
 
     def _cat(self, a, b):
         fa, la, na = a

@@ -361,6 +361,44 @@ def parse_regex(regex: str, max_positions: int = 20000, *, deadline: float | Non
     return node
 
 
+def nullable(node) -> bool:
+    """Whether the regex tree ``node`` matches the empty string."""
+    k = node[0]
+    if k == "sym":
+        return False
+    if k == "eps":
+        return True
+    if k == "cat":
+        return all(nullable(c) for c in node[1])
+    if k == "alt":
+        return any(nullable(c) for c in node[1])
+    return node[2] == 0 or nullable(node[1])  # rep
+
+
+def separated_lists(kids) -> dict:
+    """The separated lists ``X (S X)*`` among the children ``kids`` of a concatenation node: ``{i: (j,
+    S)}`` for each run ``kids[i:j]`` = X followed by ``kids[j]`` = ``(S X)*``, where S (a tuple of
+    nodes) is the leading part of the repeated concatenation and neither S nor X matches the empty
+    string; leftmost first, the longest X, not overlapping. JSON arrays (``\\[X(,X)*\\]``) and
+    ``tool_choice="required"``'s array of tool calls have this form; the character DFA builds X once
+    for them (:mod:`.char_dfa`), and :func:`estimate_positions` counts it once."""
+    out: dict = {}
+    done = 0
+    for j, kid in enumerate(kids):
+        if kid[0] != "rep" or kid[2] != 0 or kid[3] is not None or kid[1][0] != "cat":
+            continue
+        body = kid[1][1]
+        m, most = 0, min(j - done, len(body) - 1)  # the common suffix of body and kids[:j] (S not empty)
+        while m < most and body[-1 - m] == kids[j - 1 - m]:
+            m += 1
+        if m:
+            sep = tuple(body[: len(body) - m])
+            if not nullable(("cat", sep)) and not nullable(("cat", tuple(kids[j - m : j]))):
+                out[j - m] = (j, sep)
+                done = j + 1
+    return out
+
+
 def estimate_positions(node) -> int:
     """Number of character positions of ``node`` after unrolling counted repetitions (an upper bound
     on the position automaton's size). Computed on the tree without expanding anything; saturates at
@@ -371,7 +409,20 @@ def estimate_positions(node) -> int:
         return 1
     if kind == "eps":
         return 0
-    if kind in ("cat", "alt"):
+    if kind == "cat":
+        kids = node[1]
+        lists = separated_lists(kids)
+        total, i = 0, 0
+        while i < len(kids):
+            if i in lists:  # X (S X)*: X's positions once, then S's
+                j, sep = lists[i]
+                total += sum(estimate_positions(c) for c in kids[i:j]) + sum(estimate_positions(c) for c in sep)
+                i = j + 1
+            else:
+                total += estimate_positions(kids[i])
+                i += 1
+        return min(cap, total)
+    if kind == "alt":
         return min(cap, sum(estimate_positions(c) for c in node[1]))
     if kind == "rep":
         inner = estimate_positions(node[1])
