@@ -896,7 +896,8 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
             o3 = np.zeros(len(k_arr), dtype=bool)
             row = cp._pack_ids(vt[(dj >= 0) & good], H.W)
             row0 = row.copy()
-            kernels.grouped_allows_some(H.bt, row, np.flatnonzero(row), H.nd_ptr, H.nd_tok, groups.astype(np.int64),
+            kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, row, np.flatnonzero(row), H.nd_ptr,
+                                        H.nd_tok, groups.astype(np.int64),
                                       k_arr, k_u, o3)
             assert np.array_equal(row, row0)  # (restored)
             o4 = np.zeros(len(k_arr), dtype=bool)
@@ -986,6 +987,49 @@ def test_tool_choice_required_schema_walks_valid_and_canonical(fst_artifacts, fs
             assert ids == oracle_ids(info, text), (text, ids)
             lengths.append(len(json.loads(text)))
     assert len(lengths) >= 10 and max(lengths) >= 2  # (walks end, some with more than one tool call)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "tekken"])
+def test_few_allowed_classes_listed_and_decided_exactly(fst_artifacts, name):
+    """``CanonHelper.few_ok / few_ptr / few_tok`` list exactly the classes allowing at most
+    ``FEW_ALLOWED`` tokens and those tokens (reference: the banned bits unpacked); the kernels that
+    decide such a class from its list (``allows_some``, ``grouped_allows_some``) agree with the numpy
+    reference on rows holding none, one, or all of its allowed tokens."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+    from vllm_fst_backend.compiler import kernels
+    from vllm_fst_backend.compiler.token_trie import trie_for
+
+    arts = fst_artifacts(name)
+    H = cp.canonical_helper(arts, trie_for(arts))
+    n_allowed = np.zeros(H.C, dtype=np.int64)
+    for a in range(0, H.C, 512):  # (unpacked 512 classes at a time: Tekken's whole matrix is 5.9 G bits)
+        bits = np.unpackbits((~H.bt[:, a : a + 512]).T.copy().view(np.uint8), axis=1, bitorder="little")
+        n_allowed[a : a + 512] = bits[:, : H.V].sum(axis=1)
+    ref_ok = n_allowed <= cp.FEW_ALLOWED
+    assert np.array_equal(H.few_ok, ref_ok)
+    allowed = {k: np.flatnonzero(np.unpackbits((~H.bt[:, k]).view(np.uint8), bitorder="little")[: H.V])
+               for k in np.flatnonzero(ref_ok).tolist()}
+    for k in np.flatnonzero(ref_ok).tolist():
+        assert np.array_equal(H.few_tok[H.few_ptr[k] : H.few_ptr[k + 1]], allowed[k])
+    if name == "tekken":
+        assert H.few_ok.sum() > 0  # (Tekken has such classes: the path is exercised)
+    rng = np.random.default_rng(3)
+    few = np.flatnonzero(H.few_ok)
+    k_arr = np.sort(np.concatenate([few, rng.choice(H.C, size=50, replace=False)])).astype(np.int64)
+    rows = [rng.integers(-(2**31), 2**31, size=H.W, dtype=np.int64).astype(np.int32) & rng.integers(0, 2, H.W).astype(np.int32)]
+    for k in few.tolist():
+        for toks in (allowed[k][:1], allowed[k]):
+            if len(toks):
+                rows.append(cp._pack_ids(toks, H.W))
+    rows.append(cp._pack_ids(np.array([0, H.V - 1]), H.W))
+    for row in rows:
+        want = H.allows_some_numpy(row, k_arr)
+        assert np.array_equal(H.allows_some(row, k_arr), want)
+        got = np.zeros(len(k_arr), dtype=bool)
+        kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, row.copy(), np.flatnonzero(row),
+                                    np.zeros(2, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), k_arr,
+                                    np.zeros(len(k_arr), np.int64), got)
+        assert np.array_equal(got, want)
 
 
 def test_sccs_are_components_in_reverse_topological_order():

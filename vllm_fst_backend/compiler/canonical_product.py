@@ -118,6 +118,8 @@ class CanonHelper:
         sigma_la: ``bool[nσ, L]``; sigma_end: ``bool[nσ]``; sigma_cls: ``bool[nσ, C]`` -- the classes that
         occur together with each lookahead set (:meth:`_sigma_classes`);
         est_ban: ``int32[V]`` -- estimated number of classes banning each token (sampled), for witnesses;
+        few_ok: ``bool[C]``, few_ptr: ``int64[C+1]``, few_tok: ``int64[n]`` -- the classes that allow at most
+        :data:`FEW_ALLOWED` tokens, and those tokens (a CSR; :func:`_few_allowed`);
         acc: ``int32[n_acc, 256]`` byte-fallback character acceptor (``None`` without byte fallback);
         bf_tok: ``int32[256]``; tok_bf_byte: ``int32[V]`` (-1 for non-byte tokens).
     """
@@ -133,6 +135,7 @@ class CanonHelper:
         self.START = self.C
         self.tclass = np.asarray(cf.token_class, dtype=np.int32)
         self.bt = _banned_transposed(cf, self.V, self.W, self.C)  # int32[W, C]: word-major banned bits
+        self.few_ok, self.few_ptr, self.few_tok = _few_allowed(self.bt, self.V, self.C)
         self._attach_filter(cf)
         self.start_row = np.asarray(cf.start_row, dtype=np.int32)
         self.la_first = np.asarray(cf.la_first).astype(np.int64)
@@ -339,7 +342,8 @@ class CanonHelper:
         words = np.flatnonzero(row)
         out = np.zeros(len(k_arr), dtype=bool)
         if len(words) and len(k_arr):
-            _kernels().allows_some(self.bt, np.ascontiguousarray(row, dtype=np.int32), words.astype(np.int64),
+            _kernels().allows_some(self.bt, self.few_ok, self.few_ptr, self.few_tok,
+                                   np.ascontiguousarray(row, dtype=np.int32), words.astype(np.int64),
                                    np.ascontiguousarray(k_arr, dtype=np.int64), out)
         return out
 
@@ -367,6 +371,35 @@ class CanonHelper:
     @property
     def nbytes(self) -> int:
         return int(self.bt.nbytes + self.est_ban.nbytes + self.la_sets_idx.nbytes + self.sigma_rows.nbytes)
+
+
+FEW_ALLOWED = 64  # a class allowing at most this many tokens has them listed (CanonHelper.few_tok)
+
+
+def _few_allowed(bt: np.ndarray, V: int, C: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(few_ok bool[C], few_ptr int64[C+1], few_tok int64[n])``: the classes after which at most
+    :data:`FEW_ALLOWED` tokens are allowed and, as a CSR, those tokens (sorted ids). Such classes are
+    bad almost everywhere (Tekken: 10 classes, 148 tokens in all), and proving a class bad against a row
+    otherwise reads every nonzero word of the row (``kernels.allows_some``). From ``bt`` (``int32[W, C]``,
+    word-major banned bits): one popcount pass over it (Tekken ~0.15 s, once per tokenizer)."""
+    W = bt.shape[0]
+    banned = np.zeros(C, dtype=np.int64)
+    for a in range(0, W, 256):
+        banned += np.bitwise_count(bt[a : a + 256].view(np.uint32)).sum(axis=0, dtype=np.int64)
+    allowed = W * 32 - banned
+    pad = W * 32 - V  # bits past the last token (not tokens, whatever their value)
+    if pad:
+        allowed -= np.bitwise_count((~bt[W - 1]).view(np.uint32) >> np.uint32(32 - pad)).astype(np.int64)
+    ok = allowed <= FEW_ALLOWED
+    ptr = np.zeros(C + 1, dtype=np.int64)
+    toks = []
+    for k in np.flatnonzero(ok).tolist():
+        bits = np.unpackbits((~bt[:, k]).view(np.uint8), bitorder="little")[:V]
+        toks.append(np.flatnonzero(bits))
+        ptr[k + 1] = len(toks[-1])
+    np.cumsum(ptr, out=ptr)
+    tok = np.concatenate(toks).astype(np.int64) if toks else np.zeros(0, np.int64)
+    return ok, ptr, tok
 
 
 def _banned_transposed(cf, V: int, W: int, C: int) -> np.ndarray:
@@ -553,7 +586,7 @@ class _Analysis:
         return best
 
     # memo tables of the analysis itself (rebuilt on demand): not part of the pickled state
-    _MEMOS = ("_cache", "_row_cache", "_btok", "_grows", "_tok_cache", "_inner_memo", "_bstatic")
+    _MEMOS = ("_cache", "_row_cache", "_btok", "_grows", "_tok_cache", "_inner_memo", "_bstatic", "_cls_ids")
 
     def __getstate__(self) -> dict:
         """Pickled state (``compiler/persist.py``): without the analysis' memo tables, and the bad tables
@@ -681,7 +714,8 @@ class _Analysis:
             dj = np.where(ctx_only, H.ctx_j[vt], -1)  # (-1: not a candidate for the regular-like test)
             k_u = np.searchsorted(groups, cg).astype(np.int64)  # each class's group, as an index of groups
             if self.use_kernels:  # every group in one call
-                _kernels().grouped_allows_some(H.bt, row_reg, np.flatnonzero(row_reg), H.nd_ptr, H.nd_tok, groups,
+                _kernels().grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, row_reg, np.flatnonzero(row_reg),
+                                               H.nd_ptr, H.nd_tok, groups,
                                                np.ascontiguousarray(k_arr, dtype=np.int64), k_u, out)
             else:
                 for u in range(len(groups)):
@@ -1214,7 +1248,14 @@ class _Analysis:
                 return got
         # the candidate classes, as sorted ids: those that can be the last token's class here
         base = H.cls_mid if self.mid[s] else H.cls_boundary
-        idx0 = np.flatnonzero(base) if ent is None else ent[base[ent]]
+        if ent is None:
+            ids = self.__dict__.setdefault("_cls_ids", {})  # (np.flatnonzero of each, once per analysis)
+            got = ids.get(bool(self.mid[s]))
+            if got is None:
+                got = ids[bool(self.mid[s])] = np.flatnonzero(base)
+            idx0 = got
+        else:
+            idx0 = ent[base[ent]]
         # witness candidates: the best token of each (edge group, lookahead class) whose successor
         # (target state, its class, ALL) is good
         if self.best is None:
@@ -1685,6 +1726,11 @@ class FactoredCanonical:
         an = self.an
         gs, ts = an._edges(s)
         tags = an.tag[ts]
+        memo = an.__dict__.get("_row_cache")
+        if memo:  # the analysis made this row already (same edge groups, same successor tags): same bits
+            got = memo.get((gs.tobytes(), tags.tobytes()))
+            if got is not None:
+                return np.array(got)
         if have_lock:
             self._add_group_rows(gs, tags)
         else:

@@ -1021,22 +1021,38 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx):
 
 
 @_jit
-def allows_some(bt, row, words, k_arr, out):
+def allows_some(bt, few_ok, few_ptr, few_tok, row, words, k_arr, out):
     """Dead-end analysis (:meth:`.canonical_product.CanonHelper.allows_some`): set ``out[i]`` when class
     ``k_arr[i]`` bans not every token of the bit row ``row`` (``int32[W]``), i.e. some word ``w`` of
     ``words`` (the nonzero words of ``row``) has ``~bt[w, k_arr[i]] & row[w] != 0``. ``bt``: the
-    word-major banned bits ``int32[W, C]``. Words outer, still-undecided classes inner (compacted as they
-    clear), so each pass reads one row of ``bt``; stops once every class is cleared."""
+    word-major banned bits ``int32[W, C]``. A class that allows few tokens (``few_ok[k]``: they are
+    ``few_tok[few_ptr[k]:few_ptr[k + 1]]``) is decided by reading ``row`` at those tokens. For the others:
+    words outer, still-undecided classes inner (compacted as they clear), so each pass reads one row of
+    ``bt``; stops once every class is cleared."""
     n = k_arr.shape[0]
     rem = np.empty(n, np.int64)
     for i in range(n):
         rem[i] = i
-    _clear_by_words(bt, row, words, k_arr, rem, n, out)
+    _clear_by_words(bt, few_ok, few_ptr, few_tok, row, words, k_arr, rem, n, out)
 
 
 @_jit
-def _clear_by_words(bt, row, words, k_arr, rem, nrem, out):
+def _clear_by_words(bt, few_ok, few_ptr, few_tok, row, words, k_arr, rem, nrem, out):
     """The loop of :func:`allows_some` over the classes ``k_arr[rem[:nrem]]`` (``rem`` is reordered)."""
+    j = 0
+    for r in range(nrem):  # the classes with their allowed tokens listed: decided here
+        i = rem[r]
+        k = k_arr[i]
+        if few_ok[k]:
+            for x in range(few_ptr[k], few_ptr[k + 1]):
+                t = few_tok[x]
+                if row[t >> 5] & (np.int32(1) << np.int32(t & 31)):
+                    out[i] = True
+                    break
+        else:
+            rem[j] = i
+            j += 1
+    nrem = j
     for wi in range(words.shape[0]):
         if nrem == 0:
             break
@@ -1127,13 +1143,14 @@ def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e,
 
 
 @_jit
-def grouped_allows_some(bt, row, words, nd_ptr, nd_tok, groups, k_arr, k_u, out):
+def grouped_allows_some(bt, few_ok, few_ptr, few_tok, row, words, nd_ptr, nd_tok, groups, k_arr, k_u, out):
     """Dead-end analysis, the regular-like special tokens (:meth:`.canonical_product._Analysis.
     specials_clear`): set ``out[i]`` when class ``k_arr[i]`` (context group ``g = groups[k_u[i]]``) bans
     not every token of ``row`` less the tokens ``nd_tok[nd_ptr[g]:nd_ptr[g + 1]]`` (those that do not
     act like regular tokens in group g). ``row``: ``int32[W]`` bit row of the candidate tokens (changed
     during the call and restored), ``words``: its nonzero words; ``bt``: word-major banned bits
-    ``int32[W, C]``. Per group: clear the group's exceptions in ``row``, then :func:`allows_some`'s loop
+    ``int32[W, C]``; ``few_ok, few_ptr, few_tok``: as in :func:`allows_some`. Per group: clear the
+    group's exceptions in ``row``, then :func:`allows_some`'s loop
     over the group's classes not yet set, then restore ``row``."""
     U = groups.shape[0]
     n = k_arr.shape[0]
@@ -1168,7 +1185,7 @@ def grouped_allows_some(bt, row, words, nd_ptr, nd_tok, groups, k_arr, k_u, out)
                 row[t >> 5] &= ~bit
                 cleared[nc] = t
                 nc += 1
-        _clear_by_words(bt, row, words, k_arr, rem, nrem, out)
+        _clear_by_words(bt, few_ok, few_ptr, few_tok, row, words, k_arr, rem, nrem, out)
         for x in range(nc):
             t = cleared[x]
             row[t >> 5] |= np.int32(1) << np.int32(t & 31)
@@ -1311,7 +1328,8 @@ def warm_up() -> None:
         unique_states(i32, 1)
         unique_states(i64, 1)
         finish(i64, i64, i64, np.ones(1, bool), 1)
-        allows_some(np.zeros((1, 1), np.int32), i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
+        few = (np.zeros(1, np.bool_), np.zeros(2, np.int64), i64[:0])
+        allows_some(np.zeros((1, 1), np.int32), *few, i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         group_tokens(i32, 1)
         group_tokens(i64, 1)
         entering_classes(i64[:1], i64[:1], np.array([0, 1], np.int64), i64[:1], 1, 1)
@@ -1325,7 +1343,7 @@ def warm_up() -> None:
         witness_table(np.zeros(2, np.bool_), i32, i64, i32, np.full((1, 1), -1, np.int32))
         spec_table(i32[:1], i32[:1], i32[:1], np.zeros((1, 7), np.int64), i64[:1], i64[:1], np.zeros((1, 1), np.int64),
                    i32[:1], np.zeros((1, 7), np.int64))
-        grouped_allows_some(np.zeros((1, 1), np.int32), i32[:1].copy(), i64[:1], np.zeros(2, np.int64), i64[:1],
+        grouped_allows_some(np.zeros((1, 1), np.int32), *few, i32[:1].copy(), i64[:1], np.zeros(2, np.int64), i64[:1],
                             i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         pairs_clear(np.zeros((1, 1), np.int32), i32[:1], i64[:1], np.zeros((1, 1), np.int64), i64[:1],
                     np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.bool_), i64[:1], i64[:1], i64[:1], i64[:1],
