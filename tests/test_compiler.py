@@ -921,7 +921,7 @@ _ARRAY_OF_OBJECTS = r"\[" + _SMALL_OBJECT + r"([ ]?,[ ]?" + _SMALL_OBJECT + r")*
 
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_deadend_fixpoint_does_not_depend_on_evaluation_order(fst_artifacts, monkeypatch, name):
-    """:meth:`_Analysis.run`'s worklist (inside an SCC: nearest way out first, a re-evaluation deciding
+    """:meth:`_Analysis.run`'s worklist (inside an SCC: DFS postorder, a re-evaluation deciding
     only the entries still bad) reaches the least fixpoint of plain Kleene iteration: from all-bad, every
     state evaluated in full on the reference path, round after round, until no table changes. The regex
     is an array of objects (what ``tool_choice="required"`` makes), whose token DFA is one large SCC."""

@@ -454,6 +454,27 @@ def canonical_helper(artifacts, trie) -> CanonHelper:
 # --------------------------------------------------------------------------------------------------
 
 
+def _postorder(comp: list[int], members: set, ptr: np.ndarray, nxt: np.ndarray) -> list[int]:
+    """The states of an SCC in DFS postorder over its own edges, from the state Tarjan's search entered
+    it by (``comp[-1]``): a state comes after every successor the search reached from it, so only the
+    edges back to a state still on the search's path (one per cycle) point to a state evaluated later."""
+    seen = {comp[-1]}
+    out: list[int] = []
+    stack = [(comp[-1], iter(sorted(set(nxt[int(ptr[comp[-1]]) : int(ptr[comp[-1] + 1])].tolist()))))]
+    while stack:
+        s, it = stack[-1]
+        for t in it:
+            if t in members and t not in seen:
+                seen.add(t)
+                stack.append((t, iter(sorted(set(nxt[int(ptr[t]) : int(ptr[t + 1])].tolist())))))
+                break
+        else:
+            stack.pop()
+            out.append(s)
+    out.extend(s for s in comp if s not in seen)  # (none: an SCC is strongly connected)
+    return out
+
+
 def _sccs(n: int, ptr: np.ndarray, nxt: np.ndarray) -> list[list[int]]:
     """Tarjan's SCCs of the token DFA's state graph (:func:`.kernels.sccs`; successors deduplicated and
     in ascending order), sinks first (reverse topological order)."""
@@ -1399,21 +1420,10 @@ class _Analysis:
                         preds[t].append(s)
             from collections import deque
 
-            # evaluation order: by distance (in token edges) to a way out of the SCC (an accepting state or
-            # an edge to a state outside it), nearest first, so a state's first evaluation sees most of its
-            # successors' tables already made; unreachable-to-exit states (all bad) last
-            exits = [s for s in comp if M.accepting[s] or any(
-                t not in members for t in M.edge_next[int(M.edge_ptr[s]) : int(M.edge_ptr[s + 1])].tolist())]
-            dist = dict.fromkeys(exits, 0)
-            frontier = deque(exits)
-            while frontier:
-                t = frontier.popleft()
-                for p in preds[t]:
-                    if p not in dist:
-                        dist[p] = dist[t] + 1
-                        frontier.append(p)
-            far = len(comp) + 1
-            queue = deque(sorted(comp, key=lambda s: dist.get(s, far)))
+            # evaluation order: DFS postorder inside the SCC, so a state's first evaluation sees the tables
+            # of the successors the search reached from it (only the edges closing a cycle point to a state
+            # evaluated later); a re-evaluation decides only the entries still bad (state_bad's ``only``)
+            queue = deque(_postorder(comp, members, M.edge_ptr, M.edge_next))
             queued = set(comp)
             steps = 0
             while queue:
