@@ -145,12 +145,14 @@ def test_separated_lists_built_once_keep_the_minimal_dfa(regex, monkeypatch):
     import vllm_fst_backend.compiler.char_dfa as cd
 
     raw = {}
-    for share in (True, False):
-        monkeypatch.setattr(cd._Glushkov, "share_separated_lists", share)
+    for share in (None, True, False):  # (None: the default, which shares)
+        if share is not None:
+            monkeypatch.setattr(cd._Glushkov, "share_separated_lists", share)
         seen = []
         monkeypatch.setattr(cd, "minimize", lambda t, f: seen.append(len(t)) or minimize(t, f))
         dfa = regex_to_char_dfa(regex, max_states=100_000)
         raw[share] = (seen[0], dfa.trans, dfa.final, dfa.classes)
+    assert raw[None] == raw[True]
     assert raw[True][0] < raw[False][0]
     assert raw[True][1:] == raw[False][1:]
 
