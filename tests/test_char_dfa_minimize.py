@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from scripts.bench_compile_serving import tools_required_schema
 from vllm_fst_backend.compiler import char_dfa
 from vllm_fst_backend.compiler.char_dfa import minimize
 from vllm_fst_backend.compiler.constraints import json_schema_to_regex
@@ -27,16 +28,14 @@ SCHEMAS = [
      "required": ["a", "b"], "additionalProperties": False},
     {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4},
 ]
-# tool_choice="required" as vLLM writes it (tool_parsers.utils._get_json_schema_from_tools): an array of
-# tool calls, each an anyOf of {name, parameters} objects
-TOOLS_REQUIRED = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-    {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params}, "required": ["name", "parameters"]}
-    for name, params in [
-        ("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                          "unit": {"enum": ["C", "F"]}}, "required": ["city"]}),
-        ("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                 "required": ["a", "b"]}),
-    ]]}}
+# tool_choice="required" as vLLM writes it (an array of tool calls, each an anyOf of {name, parameters}
+# objects; tools_required_schema is checked equal to vLLM's own in tests/test_vllm_plugin_unit.py)
+TOOLS_REQUIRED = tools_required_schema([
+    ("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                      "unit": {"enum": ["C", "F"]}}, "required": ["city"]}),
+    ("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"]}),
+])
 SCHEMAS.append(TOOLS_REQUIRED)
 SCHEMAS.append({"type": "array", "items": {"type": "object", "properties": {"x": {"type": "string", "maxLength": 4}},
                                            "required": ["x"]}})

@@ -1138,3 +1138,28 @@ def test_enum_check_of_patterns_is_bounded():
     obj = {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False,
            "enum": [{"x1": 1}, {"y": 2}, {"x2": "s"}]}
     assert re.fullmatch(json_schema_to_regex(obj), '{"x1":1}') and json_schema_to_regex(obj) == r'\{"x1":1\}'
+
+
+def test_env_flag_one_parser_for_every_boolean_variable(monkeypatch):
+    """``compiler.options.env_flag``: unset or empty -> the default; 0/false/no/off (any case, spaces)
+    -> False; anything else -> True, or with ``strict`` only 1/true/yes/on (else InvalidOptionError naming
+    the variable). The disk cache, the table store, the open-objects switch and the vLLM flags read it."""
+    from vllm_fst_backend.compiler import persist, table_store
+    from vllm_fst_backend.compiler.options import env_flag
+
+    name = "VLLM_FST_TEST_FLAG"
+    monkeypatch.delenv(name, raising=False)
+    assert env_flag(name, True) is True and env_flag(name, False) is False
+    for raw, want in [("", True), ("  ", True), ("0", False), (" Off ", False), ("NO", False), ("1", True),
+                      ("yes", True), ("maybe", True)]:
+        monkeypatch.setenv(name, raw)
+        assert env_flag(name, True) is want, raw
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(InvalidOptionError, match=name):
+        env_flag(name, False, strict=True)
+    monkeypatch.setenv(name, " TRUE ")
+    assert env_flag(name, False, strict=True) is True
+    monkeypatch.setenv("VLLM_FST_DISK_CACHE", "False")
+    assert persist.disk_cache_from_env() is None
+    monkeypatch.setenv("VLLM_FST_SHARED_TABLES", "no")
+    assert table_store.shared_tables_root() is None

@@ -537,6 +537,7 @@ class _Analysis:
         self._cache: dict = {}
         self._inner_memo: dict = {}
         self._bstatic: dict = {}
+        self._cls_ids: dict = {}  # mid (bool) -> np.flatnonzero of H.cls_mid / H.cls_boundary
         self._xk = None  # (verdict cache, group hashes, per-state entering-class sums, tag multipliers)
         self._tag_of_obj: dict = {}  # id(table) -> tag (_set)
         self._pinned: list = []  # (those tables, kept alive)
@@ -1270,11 +1271,9 @@ class _Analysis:
         # the candidate classes, as sorted ids: those that can be the last token's class here
         base = H.cls_mid if self.mid[s] else H.cls_boundary
         if ent is None:
-            ids = self.__dict__.setdefault("_cls_ids", {})  # (np.flatnonzero of each, once per analysis)
-            got = ids.get(bool(self.mid[s]))
-            if got is None:
-                got = ids[bool(self.mid[s])] = np.flatnonzero(base)
-            idx0 = got
+            idx0 = self._cls_ids.get(bool(self.mid[s]))
+            if idx0 is None:
+                idx0 = self._cls_ids[bool(self.mid[s])] = np.flatnonzero(base)
         else:
             idx0 = ent[base[ent]]
         # witness candidates: the best token of each (edge group, lookahead class) whose successor
@@ -1736,11 +1735,10 @@ class FactoredCanonical:
         an = self.an
         gs, ts = an._edges(s)
         tags = an.tag[ts]
-        memo = an.__dict__.get("_row_cache")
-        if memo:  # the analysis made this row already (same edge groups, same successor tags): same bits
-            got = memo.get((gs.tobytes(), tags.tobytes()))
-            if got is not None:
-                return np.array(got)
+        # the analysis made this row already (same edge groups, same successor tags): the same bits
+        got = an._row_cache.get((gs.tobytes(), tags.tobytes()))
+        if got is not None:
+            return np.array(got)
         if have_lock:
             self._add_group_rows(gs, tags)
         else:

@@ -9,13 +9,13 @@ Kinds are the names of vLLM's ``StructuredOutputOptions`` (``"REGEX"``, ``"CHOIC
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import OrderedDict
 from typing import Any, Iterable
 
-from ..errors import InvalidConstraintError, InvalidOptionError, InvalidSchemaError, UnsupportedSchemaError
+from ..errors import InvalidConstraintError, InvalidSchemaError, UnsupportedSchemaError
 from .limits import InputLimits, check_choices, check_regex, check_schema_obj, check_schema_text
+from .options import env_flag
 from .regex_parse import escape_literal
 
 __all__ = [
@@ -149,12 +149,7 @@ def open_objects_from_env() -> bool:
     Raises:
         InvalidOptionError: a value other than 0/1/true/false/yes/no/on/off (a server misconfiguration).
     """
-    raw = os.environ.get(OPEN_OBJECTS_ENV, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise InvalidOptionError(f"{OPEN_OBJECTS_ENV} must be 0 or 1, got {raw!r}")
+    return env_flag(OPEN_OBJECTS_ENV, False, strict=True)
 
 
 def json_schema_to_regex(schema: str | dict | bool, whitespace_pattern: str | None = None, *,

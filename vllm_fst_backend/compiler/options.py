@@ -1,12 +1,34 @@
-"""Per-request compile options."""
+"""Per-request compile options, and the boolean environment flags of the whole package."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..errors import InvalidOptionError
 
-__all__ = ["CompileOptions"]
+__all__ = ["CompileOptions", "env_flag", "TRUE_WORDS", "FALSE_WORDS"]
+
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
+def env_flag(name: str, default: bool, strict: bool = False) -> bool:
+    """Boolean environment variable ``name``: unset or empty -> ``default``; one of :data:`FALSE_WORDS`
+    (any case, spaces stripped) -> False; anything else -> True, or with ``strict`` only one of
+    :data:`TRUE_WORDS`.
+
+    Raises:
+        InvalidOptionError: ``strict`` and a value of neither word list (a server misconfiguration).
+    """
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return default
+    if v in FALSE_WORDS:
+        return False
+    if strict and v not in TRUE_WORDS:
+        raise InvalidOptionError(f"{name} must be 0 or 1, got {v!r}")
+    return True
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidOptionError
+from .options import env_flag
 
 __all__ = ["DiskCache", "default_cache_dir", "disk_cache_from_env", "FORMAT_VERSION"]
 
@@ -263,8 +264,7 @@ def disk_cache_from_env() -> DiskCache | None:
     Raises:
         InvalidOptionError: a malformed variable.
     """
-    flag = os.environ.get("VLLM_FST_DISK_CACHE", "1").strip().lower()
-    if flag in ("0", "false", "no", "off"):
+    if not env_flag("VLLM_FST_DISK_CACHE", True):
         return None
     raw = os.environ.get("VLLM_FST_DISK_CACHE_BYTES", "").strip()
     try:

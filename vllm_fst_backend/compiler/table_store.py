@@ -46,6 +46,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .options import env_flag
+
 __all__ = ["shared_tables_root", "load_or_build", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
@@ -55,8 +57,7 @@ _META = "meta.json"
 def shared_tables_root() -> Path | None:
     """The store's root directory (module docstring), or None when ``$VLLM_FST_SHARED_TABLES`` is
     ``0``/``false``/``no``/``off``."""
-    flag = os.environ.get("VLLM_FST_SHARED_TABLES", "1").strip().lower()
-    if flag in ("0", "false", "no", "off"):
+    if not env_flag("VLLM_FST_SHARED_TABLES", True):
         return None
     env = os.environ.get("VLLM_FST_SHARED_TABLES_DIR", "").strip()
     if env:

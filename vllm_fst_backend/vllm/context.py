@@ -390,6 +390,12 @@ def get_tokenizer_context(model_config: Any) -> TokenizerContext:
 SERVED: dict[str, Any] = {}
 
 
+def is_jump_proposer(model: Any) -> bool:
+    """Whether a ``speculative_config.model`` (a class path) is fst's forced-token proposer
+    (``vllm_fst_backend.vllm_plugin.FstForcedTokenProposer``)."""
+    return model is not None and str(model).endswith("FstForcedTokenProposer")
+
+
 # ---- the compile check of the API server (out of its event loop and GIL) ----------------------------
 
 

@@ -1,27 +1,18 @@
 """Per-request options: the ``fst_*`` keys of ``SamplingParams.extra_args`` (``vllm_xargs`` in the
-request body), and boolean environment flags."""
+request body). The boolean environment flags (``env_flag``) live in :mod:`vllm_fst_backend.compiler.options`
+and are re-exported here."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from typing import Any
 
+from vllm_fst_backend.compiler.options import FALSE_WORDS, TRUE_WORDS, env_flag  # noqa: F401 (re-exported)
 from vllm_fst_backend.errors import InvalidOptionError
 
 OPTION_NAMES = ("fst_canonical", "fst_scripts", "fst_jump", "fst_allow_ascii_bytes")
-TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 _SCRIPT_RE = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """Boolean environment variable: unset or empty -> ``default``; ``0/false/no/off`` -> False."""
-    v = os.environ.get(name)
-    if v is None or v.strip() == "":
-        return default
-    return v.strip().lower() not in FALSE_WORDS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -596,7 +596,7 @@ def _first_sample_state(sched: Any) -> _FirstSample | None:
 def _no_drafts_but_jumps(spec: Any) -> bool:
     """Whether a ``speculative_config`` is none, or fst's forced-token proposer (which forgets a dropped
     sample: :meth:`.proposer.FstForcedTokenProposer._propose_one`); other drafters are not known to."""
-    return spec is None or str(getattr(spec, "model", "")).endswith("FstForcedTokenProposer")
+    return spec is None or _context.is_jump_proposer(getattr(spec, "model", None))
 
 
 def _drop_samples(model_runner_output: Any, req_ids: set) -> list[str]:

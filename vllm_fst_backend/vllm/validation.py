@@ -268,7 +268,7 @@ def _warn_jump_without_proposer() -> None:
     if _SPEC_WARNED:
         return
     spec = _context.SERVED.get("speculative_model")
-    if spec is None or not str(spec).endswith("FstForcedTokenProposer"):
+    if not _context.is_jump_proposer(spec):
         _SPEC_WARNED = True
         logger.warning(
             "fst: a request asked for fst_jump but the server was not started with the forced-token "
