@@ -119,6 +119,30 @@ def test_json_schema_regexes_lose_states():
     assert small.num_states == _moore_classes(raw.trans, raw.final) < raw.num_states
 
 
+def _raw_char_dfa(regex: str):
+    """The subset construction's DFA before minimization (trimmed)."""
+    import vllm_fst_backend.compiler.char_dfa as cd
+
+    orig = cd.minimize
+    try:
+        cd.minimize = lambda trans, final: (trans, final)
+        return regex_to_char_dfa(regex, max_states=100_000)
+    finally:
+        cd.minimize = orig
+
+
+@pytest.mark.parametrize("regex", [r"(a|bc|def)g", r"x(1|22|333)*y",
+                                   json_schema_to_regex({"type": "string", "maxLength": 6})])
+def test_subset_states_keyed_by_their_future(regex):
+    """The subset construction keys a state by the positions it can read next and its finality, not by
+    the positions last read: the branches of an alternation that continue alike end in one state. On
+    these regexes every equivalent state came from such branch ends (a JSON string character's plain,
+    short-escape and \\u-escape ends), so the construction's DFA is already minimal; keyed by the last
+    positions it had more states (``(a|bc|def)g``: 7 instead of 5)."""
+    raw = _raw_char_dfa(regex)
+    assert raw.num_states == _moore_classes(raw.trans, raw.final) == regex_to_char_dfa(regex).num_states
+
+
 @pytest.mark.parametrize("regex", REGEXES, ids=[f"rx{i}" for i in range(len(REGEXES))])
 def test_minimize_through_binary_fst_equals_per_arc_path(regex, monkeypatch):
     """``minimize`` hands the automaton to OpenFst and back in its binary format (numpy); the result is

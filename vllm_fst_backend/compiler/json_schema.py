@@ -407,8 +407,9 @@ class _Rx:
 # --------------------------------------------------------------------------------------------------
 
 _HEX = "[0-9a-fA-F]"
-#: \\u escapes of non-surrogates (U+D800-U+DFFF excluded: a pair counts 1 character, 2 escapes)
-_U_ESCAPE = rf"u([0-9a-cA-CefEF]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
+#: \\u escapes of non-surrogates (U+D800-U+DFFF excluded: a pair counts 1 character, 2 escapes); the last
+#: two hex digits are written once after the alternation, so that both branches end in the same positions
+_U_ESCAPE = rf"u([0-9a-cA-CefEF]{_HEX}|[dD][0-7]){_HEX}{{2}}"
 _STRING_CHAR = r'([^"\\\x00-\x1f]|\\(["\\/bfnrt]|' + _U_ESCAPE + "))"
 _RAW_CHAR_CPS = frozenset(range(0x20)) | {ord('"'), ord("\\")}  # what a raw class must exclude
 _NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
