@@ -18,6 +18,7 @@ the pynini composition path (001 Alg. 2), options validation, the cache.
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 
@@ -834,6 +835,35 @@ def _check_base_rows(an, fc=None):
     assert n_tagged > 0  # some state has a successor with bad classes (the filter is exercised)
 
 
+def _check_special_prep(an, s: int, sig: int, toks: np.ndarray, tgts: np.ndarray) -> bool:
+    """``kernels.special_prep`` (through ``_special_prep``: a state's special tokens visited through its
+    groups' lists when they are few, else by a scan of all) against the numpy selection of
+    ``specials_clear``'s reference path: the same tokens in the same order, targets, flags and rows.
+    Returns whether the kernel took the path through the groups' lists."""
+    H = an.H
+    vt, vg, jw, ctx_only, good_t, (id_tok, id_pos), row_reg, row_all, inner_tok, inner_tgt = an._special_prep(s, sig)
+    lf = H.la_first[toks]
+    sel = (H.tclass[toks] >= 0) & (lf >= 0) & H.sigma_la[sig][np.maximum(lf, 0)]
+    inner = sel & (H.tok_bf_byte[toks] >= 0) & (an.bf_start[toks] >= 0)
+    assert np.array_equal(inner_tok, toks[inner]) and np.array_equal(inner_tgt, tgts[inner])
+    sel &= ~inner
+    r_vt, r_vg = toks[sel], tgts[sel]
+    order = np.argsort(H.est_ban[r_vt], kind="stable")
+    assert np.array_equal(vt, r_vt[order]) and np.array_equal(vg, r_vg[order])
+    assert np.array_equal(id_tok, r_vt) and np.array_equal(vt[id_pos], r_vt)
+    assert np.array_equal(jw, H.j_of[vt])
+    assert np.array_equal(ctx_only, (jw < 0) & (H.ctx_j[vt] >= 0))
+    want_good = np.zeros(len(vt), dtype=bool)
+    c = np.flatnonzero(ctx_only)
+    want_good[c] = an.succ_good_many(vg[c], H.tclass[vt[c]].astype(np.int64), np.zeros(len(c), np.int64))
+    assert np.array_equal(good_t, want_good)
+    cp = sys.modules[type(an).__module__]
+    assert np.array_equal(row_all, cp._pack_ids(vt, H.W)) and np.array_equal(row_reg, cp._pack_ids(vt[good_t], H.W))
+    gs, _ = an._edges(s)
+    grp_ptr = an._sp_e[5]
+    return 4 * int((grp_ptr[gs + 1] - grp_ptr[gs]).sum()) < len(an.spec_toks)  # (the kernel's path)
+
+
 _MEMBER = r'"[a-z]{1,8}"[ ]?:[ ]?("[^"\\]{0,12}"|\d{1,3})'
 _SMALL_OBJECT = r"\{[ ]?(" + _MEMBER + r"([ ]?,[ ]?" + _MEMBER + r"){0,2})?[ ]?\}"
 
@@ -858,12 +888,14 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
     _check_setup_kernels(fast)
     # the kernels against their numpy references on the analysis' own rows and random class sets
     rng = np.random.default_rng(0)
+    paths = set()
     for s in range(0, fast.M.num_states, max(1, fast.M.num_states // 8)):
         row = fast.regular_row_packed(s)
         k_arr = np.sort(rng.choice(H.C, size=min(H.C, 300), replace=False)).astype(np.int64)
         assert np.array_equal(H.allows_some(row, k_arr), H.allows_some_numpy(row, k_arr))
         toks, tgts = fast.specials_of(s)
         for sig in range(fast.nsig):
+            paths.add(_check_special_prep(fast, s, sig, toks, tgts))
             o1 = np.zeros(len(k_arr), dtype=bool)
             o2 = np.zeros(len(k_arr), dtype=bool)
             lf = H.la_first[toks]
@@ -914,6 +946,8 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
                     m2 = list(fast.byte_moves_reference(s, k, 0, a))
                     assert m1 == m2, (regex, s, k, a)
                     assert fast._inner_any(s, k, 0, a) == any(ok for _, ok in m2)
+    # (both of special_prep's paths were compared; a whole-vocabulary scan may not occur on the last regex)
+    assert paths == {True, False} or (True in paths and regex.endswith("中文"))
 
 
 _ARRAY_OF_OBJECTS = r"\[" + _SMALL_OBJECT + r"([ ]?,[ ]?" + _SMALL_OBJECT + r")*\]"

@@ -777,10 +777,10 @@ class _Analysis:
         if self._sp_e is None:
             self._sp_e = self._special_order()
         self._sp_calls += 1
-        tok_e, grp_e, id_to_e, stamp, stamp_tgt = self._sp_e
+        tok_e, grp_e, id_to_e, stamp, stamp_tgt, grp_ptr, grp_x, lf_e, cls_e, opens_e, j_e, ctxj_e = self._sp_e
         m, n_in = _kernels().special_prep(gs, ts, stamp, stamp_tgt, self._sp_calls, self.tag, self._tag_table(), tok_e,
-                                          grp_e, id_to_e, H.la_first, H.tclass, H.sigma_la[sig], H.tok_bf_byte,
-                                          self.bf_start, H.j_of, H.ctx_j, vt, vg, jw, ctx_only, good_t, id_tok, id_pos,
+                                          grp_e, id_to_e, grp_ptr, grp_x, lf_e, cls_e, opens_e, j_e, ctxj_e,
+                                          H.sigma_la[sig], vt, vg, jw, ctx_only, good_t, id_tok, id_pos,
                                           inner_tok, inner_tgt, row_reg.view(np.uint32), row_all.view(np.uint32))
         return (vt[:m], vg[:m], jw[:m], ctx_only[:m], good_t[:m], (id_tok[:m], id_pos[:m]), row_reg, row_all,
                 inner_tok[:n_in], inner_tgt[:n_in])
@@ -788,11 +788,21 @@ class _Analysis:
     def _special_order(self) -> tuple:
         """:func:`.kernels.special_prep`'s per-analysis arrays: the special tokens and their groups in
         increasing (estimated ban count, id) order (likely witnesses first), the map from their id order
-        to it, and the group marks (``int64[G]`` stamps and targets)."""
+        to it, the group marks (``int64[G]`` stamps and targets), each group's tokens (CSR ``int64[G+1]``
+        offsets into ``int64`` est indices, ascending), and the tokens' static attributes in that order
+        (first lookahead class, class, opens a byte-fallback character, whitespace-final index, context
+        index)."""
         est = np.argsort(self.H.est_ban[self.spec_toks], kind="stable")
         G = max(self.G, 1)
-        return (self.spec_toks[est], self.spec_group[est].astype(np.int64), np.argsort(est).astype(np.int64),
-                np.zeros(G, np.int64), np.zeros(G, np.int64))
+        grp_e = self.spec_group[est].astype(np.int64)
+        grp_x = np.argsort(grp_e, kind="stable").astype(np.int64)  # each group's tokens, ascending est index
+        grp_ptr = np.zeros(G + 1, np.int64)
+        np.cumsum(np.bincount(grp_e, minlength=G), out=grp_ptr[1:])
+        H, tok_e = self.H, self.spec_toks[est]
+        return (tok_e, grp_e, np.argsort(est).astype(np.int64), np.zeros(G, np.int64), np.zeros(G, np.int64),
+                grp_ptr, grp_x, np.ascontiguousarray(H.la_first[tok_e]), np.ascontiguousarray(H.tclass[tok_e]),
+                (H.tok_bf_byte[tok_e] >= 0) & (self.bf_start[tok_e] >= 0), np.ascontiguousarray(H.j_of[tok_e]),
+                np.ascontiguousarray(H.ctx_j[tok_e]))
 
     _MAX_WITNESSES = 12
     _PAIRS_PREFILTER_TOKENS = 256  # special tokens at a state above which specials_clear pre-filters classes

@@ -1072,16 +1072,51 @@ def _clear_by_words(bt, few_ok, few_ptr, few_tok, row, words, k_arr, rem, nrem, 
 
 
 @_jit
-def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e, sp_id_to_e, la_first, tclass,
-                 sigma_la_row, tok_bf_byte, bf_start, j_of, ctx_j, vt, vg, jw, ctx_only, good_t, id_tok, id_pos,
+def _special_select(x, m, stamp_tgt, sp_tok_e, sp_group_e, lf_e, cls_e, opens_e, j_e, ctxj_e, sigma_la_row, tag,
+                    tab, vt, vg, jw, ctx_only, good_t, row_reg, row_all):
+    """:func:`special_prep`'s test of the special token of est index ``x`` (its group is one of the
+    state's): returns its position in ``vt`` (written there), -2 when it opens a byte-fallback character,
+    -1 when not selected."""
+    lf = lf_e[x]
+    if cls_e[x] < 0 or lf < 0 or not sigma_la_row[lf]:
+        return -1
+    if opens_e[x]:
+        return -2
+    v = sp_tok_e[x]
+    t = stamp_tgt[sp_group_e[x]]
+    vt[m] = v
+    vg[m] = t
+    jw[m] = j_e[x]
+    co = j_e[x] < 0 and ctxj_e[x] >= 0
+    ctx_only[m] = co
+    good = False
+    if co:
+        tg = tag[t]
+        good = tg == 0 or not tab[tg, cls_e[x]]
+        if good:
+            row_reg[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+    good_t[m] = good
+    row_all[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+    return m
+
+
+@_jit
+def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e, sp_id_to_e, grp_ptr, grp_x,
+                 lf_e, cls_e, opens_e, j_e, ctxj_e, sigma_la_row, vt, vg, jw, ctx_only, good_t, id_tok, id_pos,
                  inner_tok, inner_tgt, row_reg, row_all):
     """The per-state part of :meth:`.canonical_product._Analysis.specials_clear` in one pass (its numpy
     reference: the same arrays): the special tokens allowed at a regex state (edge groups ``gs``, targets
     ``ts``) that are valid, have a first lookahead class in σ (``sigma_la_row: bool[L]``) and do not open a
     byte-fallback character, in increasing (estimated ban count, id) order: ``sp_tok_e`` / ``sp_group_e``
     are the analysis' special tokens and their groups in that order, ``sp_id_to_e`` maps their id order
-    to it. ``stamp`` / ``stamp_tgt`` (``int64[G]``, kept by the caller between calls) mark the state's
-    groups with the call number ``call`` (> every earlier one) and their targets.
+    to it, ``grp_ptr`` / ``grp_x`` list each group's tokens by est index (CSR, ascending); ``lf_e``,
+    ``cls_e``, ``j_e``, ``ctxj_e`` are their first lookahead class, class, whitespace-final index and
+    context index (``la_first``, ``tclass``, ``j_of``, ``ctx_j`` in est order: read in sequence, not at
+    random over the vocabulary) and ``opens_e`` whether they open a byte-fallback character. ``stamp`` /
+    ``stamp_tgt`` (``int64[G]``, kept by the caller between calls) mark the state's groups with the call
+    number ``call`` (> every earlier one) and their targets. When the state's groups hold under a quarter
+    of the special tokens (inside a multi-byte character, keys, punctuation), only theirs are visited
+    (sorted, so the order is the same); else all are scanned.
 
     Writes (arrays of at least ``len(sp_tok_e)`` entries): ``vt, vg, jw`` (token, target, whitespace-final
     index), ``ctx_only`` (context-dependent, not whitespace-final), ``good_t`` (for those: the target's bad
@@ -1094,40 +1129,56 @@ def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e,
         ``(n, n_inner)``: entries written to ``vt`` ... and to ``inner_tok``.
     """
     n_sp = sp_tok_e.shape[0]
+    tot = 0
     for e in range(gs.shape[0]):
         stamp[gs[e]] = call
         stamp_tgt[gs[e]] = ts[e]
-    pos_of = np.full(n_sp, -1, np.int64)  # by est index: position in vt, or -2 (inner), -1 (not selected)
+        tot += grp_ptr[gs[e] + 1] - grp_ptr[gs[e]]
     m = 0
-    for x in range(n_sp):
-        g = sp_group_e[x]
-        if stamp[g] != call:
-            continue
-        v = sp_tok_e[x]
-        lf = la_first[v]
-        if tclass[v] < 0 or lf < 0 or not sigma_la_row[lf]:
-            continue
-        t = stamp_tgt[g]
-        if tok_bf_byte[v] >= 0 and bf_start[v] >= 0:
-            pos_of[x] = -2  # opens a character: inner_tok
-            continue
-        vt[m] = v
-        vg[m] = t
-        jw[m] = j_of[v]
-        co = j_of[v] < 0 and ctx_j[v] >= 0
-        ctx_only[m] = co
-        good = False
-        if co:
-            tg = tag[t]
-            good = tg == 0 or not tab[tg, tclass[v]]
-            if good:
-                row_reg[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
-        good_t[m] = good
-        row_all[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
-        pos_of[x] = m
-        m += 1
-    k = 0
     n_inner = 0
+    if 4 * tot < n_sp:
+        xs = np.empty(tot, np.int64)
+        k = 0
+        for e in range(gs.shape[0]):
+            for i in range(grp_ptr[gs[e]], grp_ptr[gs[e] + 1]):
+                xs[k] = grp_x[i]
+                k += 1
+        xs.sort()
+        pos = np.empty(tot, np.int64)
+        for i in range(tot):
+            p = _special_select(xs[i], m, stamp_tgt, sp_tok_e, sp_group_e, lf_e, cls_e, opens_e, j_e, ctxj_e,
+                                sigma_la_row, tag, tab, vt, vg, jw, ctx_only, good_t, row_reg, row_all)
+            pos[i] = p
+            if p >= 0:
+                m += 1
+        # the same tokens by id
+        toks = np.empty(tot, np.int64)
+        for i in range(tot):
+            toks[i] = sp_tok_e[xs[i]]
+        by_tok = np.argsort(toks)
+        k = 0
+        for r in range(tot):
+            i = by_tok[r]
+            p = pos[i]
+            if p >= 0:
+                id_tok[k] = toks[i]
+                id_pos[k] = p
+                k += 1
+            elif p == -2:
+                inner_tok[n_inner] = toks[i]
+                inner_tgt[n_inner] = stamp_tgt[sp_group_e[xs[i]]]
+                n_inner += 1
+        return m, n_inner
+    pos_of = np.full(n_sp, -1, np.int64)  # by est index: position in vt, or -2 (inner), -1 (not selected)
+    for x in range(n_sp):
+        if stamp[sp_group_e[x]] != call:
+            continue
+        p = _special_select(x, m, stamp_tgt, sp_tok_e, sp_group_e, lf_e, cls_e, opens_e, j_e, ctxj_e, sigma_la_row,
+                            tag, tab, vt, vg, jw, ctx_only, good_t, row_reg, row_all)
+        pos_of[x] = p
+        if p >= 0:
+            m += 1
+    k = 0
     for r in range(n_sp):
         x = sp_id_to_e[r]
         p = pos_of[x]
