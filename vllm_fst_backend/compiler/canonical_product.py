@@ -809,16 +809,17 @@ class _Analysis:
 
     def _witness_keep(self, idx: np.ndarray, wc: np.ndarray, tt: np.ndarray, tab: np.ndarray,
                       las: np.ndarray) -> np.ndarray:
-        """The classes of ``idx`` (sorted ``int64`` ids; a scratch array, reordered) that no witness proves
+        """The classes of ``idx`` (sorted ``int64`` ids; not changed) that no witness proves
         good: a witness is a token ``wc[e, l]`` (the best of edge e's group with lookahead class ``l`` in
         ``las``; ``wc: int32[E, L]``, -1 none) whose successor is good for its class (``tt[e]``: the
         target's tag, ``tab``: the tag table), one of the :attr:`_MAX_WITNESSES` of lowest estimated ban
-        count; a class not banning one is good. Returns the classes left, in order."""
+        count; a class not banning one is good. Returns the classes left, in order (a new array)."""
         H = self.H
         if self.use_kernels:
+            out = np.empty(len(idx), dtype=np.int64)
             n_left = _kernels().witness_clear(H.bt, wc, tt, tab, self.tclass_safe, las, H.est_ban,
-                                              self._MAX_WITNESSES, idx)
-            return idx[:n_left]
+                                              self._MAX_WITNESSES, idx, out)
+            return out[:n_left]
         w64 = wc.astype(np.int64)
         okw = (w64 >= 0) & ~tab[tt[:, None], self.tclass_safe[np.maximum(w64, 0)]]
         w = np.unique(w64[:, las][okw[:, las]])
@@ -1302,7 +1303,7 @@ class _Analysis:
                 continue  # no whitespace-final token enters s: σ != ALL never occurs here
             # a product state (t, k, σ) with σ != ALL is only ever entered by a whitespace-final token,
             # so k is the class of one: other classes are irrelevant there (left good)
-            idx = idx0.copy() if i == 0 else idx0[H.sigma_cls[i][idx0]]  # (σ_i, k) pairs that occur
+            idx = idx0 if i == 0 else idx0[H.sigma_cls[i][idx0]]  # (σ_i, k) pairs that occur
             if only is not None:
                 idx = idx[only[i, idx]]
             if not len(idx):
@@ -1311,6 +1312,8 @@ class _Analysis:
             if len(las):
                 # a few witnesses (good successor, rarely banned): each keeps the classes banning it
                 idx = self._witness_keep(idx, wc, tt, tab, las)
+            elif idx is idx0:
+                idx = idx0.copy()  # (idx0 is memoized: what follows gets its own array)
             if len(idx):
                 if full_row is None:
                     full_row = self.regular_row_packed(s)

@@ -976,15 +976,15 @@ def witness_table(ok, token_group, la_first, est_ban, out):
 
 
 @_jit
-def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx):
+def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx, out):
     """Dead-end analysis, the witness step of :meth:`.canonical_product._Analysis.state_bad` for one
     lookahead set: the witnesses are the tokens ``wc[e, l]`` (``int32[E, L]``: the best token of edge e's
     group per lookahead class, -1 none) for ``l`` in ``las`` whose successor is good (``tt[e]`` = the tag
     of edge e's target, 0 = all good, else ``tab[tt[e], tclass[w]]`` says the token's class is bad
     there); of these, the ``max_w`` with the lowest ``est_ban`` (lowest id on ties) are tried in that
-    order, and each keeps in ``idx`` (candidate class ids, ``int64``) only the classes that ban it
-    (``bt``: word-major banned bits ``int32[W, C]``). Returns ``n_left``: the classes left are
-    ``idx[:n_left]`` (reordered in place, order kept)."""
+    order, and each keeps only the classes that ban it (``bt``: word-major banned bits ``int32[W, C]``) of
+    the candidate class ids ``idx`` (``int64``, read only). Returns ``n_left``: the classes left are
+    ``out[:n_left]`` (``out``: ``int64``, at least ``len(idx)``; ``idx`` itself is allowed), in order."""
     E = wc.shape[0]
     n = 0
     cand = np.empty(E * las.shape[0], np.int64)
@@ -998,12 +998,14 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx):
                 continue
             cand[n] = w
             n += 1
+    m = idx.shape[0]
     if n == 0:
-        return idx.shape[0]
+        for i in range(m):
+            out[i] = idx[i]
+        return m
     u = np.unique(cand[:n])
     order = np.argsort(est_ban[u], kind="mergesort")
     nw = min(max_w, u.shape[0])
-    m = idx.shape[0]
     for r in range(nw):
         if m == 0:
             break
@@ -1012,9 +1014,9 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx):
         bit = x & 31
         j = 0
         for i in range(m):
-            k = idx[i]
+            k = idx[i] if r == 0 else out[i]
             if (bt[wd, k] >> bit) & 1:
-                idx[j] = k
+                out[j] = k
                 j += 1
         m = j
     return m
@@ -1388,7 +1390,7 @@ def warm_up() -> None:
         content_key(0, np.array([0, 1], np.int64), i32[:1], i32[:1], i64, np.zeros((2, 1), np.uint64),
                     np.ones((2, 1), np.uint64))
         witness_clear(np.zeros((1, 1), np.int32), np.full((1, 1), -1, np.int32), i64[:1], np.zeros((1, 1), np.bool_),
-                      i32, i64[:1], i32, 12, i64[:1].copy())
+                      i32, i64[:1], i32, 12, i64[:1].copy(), i64[:1].copy())
         group_classes(np.zeros(1, np.int64), np.array([0, 1], np.int64), i64, np.full(2, -1, np.int64), i64[:1],
                       i64[:0], 1)
         witness_table(np.zeros(2, np.bool_), i32, i64, i32, np.full((1, 1), -1, np.int32))
