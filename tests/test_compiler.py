@@ -841,7 +841,7 @@ def _check_special_prep(an, s: int, sig: int, toks: np.ndarray, tgts: np.ndarray
     ``specials_clear``'s reference path: the same tokens in the same order, targets, flags and rows.
     Returns whether the kernel took the path through the groups' lists."""
     H = an.H
-    vt, vg, jw, ctx_only, good_t, (id_tok, id_pos), row_reg, row_all, inner_tok, inner_tgt = an._special_prep(s, sig)
+    vt, vg, jw, dj, good_t, (id_tok, id_pos), row_reg, row_all, inner_tok, inner_tgt = an._special_prep(s, sig)
     lf = H.la_first[toks]
     sel = (H.tclass[toks] >= 0) & (lf >= 0) & H.sigma_la[sig][np.maximum(lf, 0)]
     inner = sel & (H.tok_bf_byte[toks] >= 0) & (an.bf_start[toks] >= 0)
@@ -852,7 +852,8 @@ def _check_special_prep(an, s: int, sig: int, toks: np.ndarray, tgts: np.ndarray
     assert np.array_equal(vt, r_vt[order]) and np.array_equal(vg, r_vg[order])
     assert np.array_equal(id_tok, r_vt) and np.array_equal(vt[id_pos], r_vt)
     assert np.array_equal(jw, H.j_of[vt])
-    assert np.array_equal(ctx_only, (jw < 0) & (H.ctx_j[vt] >= 0))
+    ctx_only = (jw < 0) & (H.ctx_j[vt] >= 0)
+    assert np.array_equal(dj, np.where(ctx_only, H.ctx_j[vt], -1))
     want_good = np.zeros(len(vt), dtype=bool)
     c = np.flatnonzero(ctx_only)
     want_good[c] = an.succ_good_many(vg[c], H.tclass[vt[c]].astype(np.int64), np.zeros(len(c), np.int64))

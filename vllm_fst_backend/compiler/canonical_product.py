@@ -703,7 +703,7 @@ class _Analysis:
         if not len(k_arr) or not len(self.spec_toks):
             return out
         if self.use_kernels:
-            vt, vg, jw, ctx_only, good_t, by_id, row_reg, row_all, inner_tok, inner_tgt = self._special_prep(s, sig)
+            vt, vg, jw, dj, good_t, by_id, row_reg, row_all, inner_tok, inner_tgt = self._special_prep(s, sig)
         else:
             toks, tgts = self.specials_of(s)
             lf = H.la_first[toks]
@@ -728,12 +728,12 @@ class _Analysis:
             if ctx_only.any():
                 c = np.flatnonzero(ctx_only)
                 good_t[c] = self.succ_good_many(vg[c], H.tclass[vt[c]].astype(np.int64), np.zeros(len(c), np.int64))
+            dj = np.where(ctx_only, H.ctx_j[vt], -1)  # (-1: not a candidate for the regular-like test)
             row_reg = row_all = None
         if len(vt):
             # group the classes by context group (np.unique without the sort: groups are small ints)
             cg = H.class_group[k_arr]
             groups = cg[:1] if (cg == cg[0]).all() else np.flatnonzero(np.bincount(cg))
-            dj = np.where(ctx_only, H.ctx_j[vt], -1)  # (-1: not a candidate for the regular-like test)
             k_u = np.searchsorted(groups, cg).astype(np.int64)  # each class's group, as an index of groups
             if self.use_kernels:  # every group in one call
                 _kernels().grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, row_reg, np.flatnonzero(row_reg),
@@ -764,13 +764,13 @@ class _Analysis:
 
     def _special_prep(self, s: int, sig: int):
         """:meth:`specials_clear`'s tokens of state s under σ (:func:`.kernels.special_prep`): ``(vt, vg,
-        jw, ctx_only, good_t, (id_tok, id_pos), row_reg, row_all, inner_tok, inner_tgt)``; the rows are
+        jw, dj, good_t, (id_tok, id_pos), row_reg, row_all, inner_tok, inner_tgt)``; the rows are
         ``int32[W]``."""
         H = self.H
         gs, ts = self._edges(s)
         n = len(self.spec_toks)
-        vt, vg, jw = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
-        ctx_only, good_t = np.empty(n, bool), np.empty(n, bool)
+        vt, vg, jw, dj = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+        good_t = np.empty(n, bool)
         id_tok, id_pos = np.empty(n, np.int64), np.empty(n, np.int64)
         inner_tok, inner_tgt = np.empty(n, np.int64), np.empty(n, np.int64)
         row_reg, row_all = np.zeros(H.W, np.int32), np.zeros(H.W, np.int32)
@@ -780,9 +780,9 @@ class _Analysis:
         tok_e, grp_e, id_to_e, stamp, stamp_tgt, grp_ptr, grp_x, lf_e, cls_e, opens_e, j_e, ctxj_e = self._sp_e
         m, n_in = _kernels().special_prep(gs, ts, stamp, stamp_tgt, self._sp_calls, self.tag, self._tag_table(), tok_e,
                                           grp_e, id_to_e, grp_ptr, grp_x, lf_e, cls_e, opens_e, j_e, ctxj_e,
-                                          H.sigma_la[sig], vt, vg, jw, ctx_only, good_t, id_tok, id_pos,
+                                          H.sigma_la[sig], vt, vg, jw, dj, good_t, id_tok, id_pos,
                                           inner_tok, inner_tgt, row_reg.view(np.uint32), row_all.view(np.uint32))
-        return (vt[:m], vg[:m], jw[:m], ctx_only[:m], good_t[:m], (id_tok[:m], id_pos[:m]), row_reg, row_all,
+        return (vt[:m], vg[:m], jw[:m], dj[:m], good_t[:m], (id_tok[:m], id_pos[:m]), row_reg, row_all,
                 inner_tok[:n_in], inner_tgt[:n_in])
 
     def _special_order(self) -> tuple:

@@ -1075,7 +1075,7 @@ def _clear_by_words(bt, few_ok, few_ptr, few_tok, row, words, k_arr, rem, nrem, 
 
 @_jit
 def _special_select(x, m, stamp_tgt, sp_tok_e, sp_group_e, lf_e, cls_e, opens_e, j_e, ctxj_e, sigma_la_row, tag,
-                    tab, vt, vg, jw, ctx_only, good_t, row_reg, row_all):
+                    tab, vt, vg, jw, dj, good_t, row_reg, row_all):
     """:func:`special_prep`'s test of the special token of est index ``x`` (its group is one of the
     state's): returns its position in ``vt`` (written there), -2 when it opens a byte-fallback character,
     -1 when not selected."""
@@ -1090,7 +1090,7 @@ def _special_select(x, m, stamp_tgt, sp_tok_e, sp_group_e, lf_e, cls_e, opens_e,
     vg[m] = t
     jw[m] = j_e[x]
     co = j_e[x] < 0 and ctxj_e[x] >= 0
-    ctx_only[m] = co
+    dj[m] = ctxj_e[x] if co else -1
     good = False
     if co:
         tg = tag[t]
@@ -1104,7 +1104,7 @@ def _special_select(x, m, stamp_tgt, sp_tok_e, sp_group_e, lf_e, cls_e, opens_e,
 
 @_jit
 def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e, sp_id_to_e, grp_ptr, grp_x,
-                 lf_e, cls_e, opens_e, j_e, ctxj_e, sigma_la_row, vt, vg, jw, ctx_only, good_t, id_tok, id_pos,
+                 lf_e, cls_e, opens_e, j_e, ctxj_e, sigma_la_row, vt, vg, jw, dj, good_t, id_tok, id_pos,
                  inner_tok, inner_tgt, row_reg, row_all):
     """The per-state part of :meth:`.canonical_product._Analysis.specials_clear` in one pass (its numpy
     reference: the same arrays): the special tokens allowed at a regex state (edge groups ``gs``, targets
@@ -1121,11 +1121,12 @@ def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e,
     (sorted, so the order is the same); else all are scanned.
 
     Writes (arrays of at least ``len(sp_tok_e)`` entries): ``vt, vg, jw`` (token, target, whitespace-final
-    index), ``ctx_only`` (context-dependent, not whitespace-final), ``good_t`` (for those: the target's bad
-    table, σ = ALL row ``tab[tag[target]]``, leaves the token's class good), ``id_tok, id_pos`` (the same
+    index), ``dj`` (the context index of a context-dependent token that is not whitespace-final, else -1),
+    ``good_t`` (for those: the target's bad table, σ = ALL row ``tab[tag[target]]``, leaves the token's
+    class good), ``id_tok, id_pos`` (the same
     tokens by id, and their positions in ``vt``), ``inner_tok, inner_tgt`` (the byte-fallback tokens that
     open a character, by id), and ``row_reg`` / ``row_all`` (``uint32[W]``, zeroed by the caller): the
-    ``ctx_only & good_t`` tokens and all of ``vt`` as bit rows.
+    ``(dj >= 0) & good_t`` tokens and all of ``vt`` as bit rows.
 
     Returns:
         ``(n, n_inner)``: entries written to ``vt`` ... and to ``inner_tok``.
@@ -1149,7 +1150,7 @@ def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e,
         pos = np.empty(tot, np.int64)
         for i in range(tot):
             p = _special_select(xs[i], m, stamp_tgt, sp_tok_e, sp_group_e, lf_e, cls_e, opens_e, j_e, ctxj_e,
-                                sigma_la_row, tag, tab, vt, vg, jw, ctx_only, good_t, row_reg, row_all)
+                                sigma_la_row, tag, tab, vt, vg, jw, dj, good_t, row_reg, row_all)
             pos[i] = p
             if p >= 0:
                 m += 1
@@ -1176,7 +1177,7 @@ def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e,
         if stamp[sp_group_e[x]] != call:
             continue
         p = _special_select(x, m, stamp_tgt, sp_tok_e, sp_group_e, lf_e, cls_e, opens_e, j_e, ctxj_e, sigma_la_row,
-                            tag, tab, vt, vg, jw, ctx_only, good_t, row_reg, row_all)
+                            tag, tab, vt, vg, jw, dj, good_t, row_reg, row_all)
         pos_of[x] = p
         if p >= 0:
             m += 1
