@@ -539,6 +539,7 @@ class _Analysis:
         self._bstatic: dict = {}
         self._cls_ids: dict = {}  # mid (bool) -> np.flatnonzero of H.cls_mid / H.cls_boundary
         self._xk = None  # (verdict cache, group hashes, per-state entering-class sums, tag multipliers)
+        self._xstatic = None  # (per state: the part of its content key made once, _xkey_init)
         self._tag_of_obj: dict = {}  # id(table) -> tag (_set)
         self._pinned: list = []  # (those tables, kept alive)
         # entering classes (see entering_classes); not with a byte-fallback acceptor (inner goodness
@@ -626,7 +627,7 @@ class _Analysis:
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
         # (V- and G-sized, rebuilt on load; the witness table only when a loaded analysis analyses again)
         state["best"] = None
-        state["_xk"] = None  # (the process's verdict cache; rebuilt when a loaded analysis analyses again)
+        state["_xk"] = state["_xstatic"] = None  # (the process's verdict cache; rebuilt to analyse again)
         state["_tag_of_obj"], state["_pinned"] = {}, []
         for name in ("bad", "_tag_full", "g_toks", "g_ptr", "g_size", "bf_start", "special", "regular",
                      "tclass_safe", "_no_grp"):
@@ -1240,17 +1241,20 @@ class _Analysis:
         for d, tag in self._tags.items():  # (table digest -> tag)
             mul[:, tag] = vc.multipliers(d)
         self._xk = (vc, gh, ent_sum, wide, mul)
+        # the part of each state's key that does not depend on its successors' tables, made once
+        e0, e1 = ent_sum.tolist()
+        self._xstatic = [(a, m, w, None if wd else (x0, x1)) for a, m, w, wd, x0, x1 in
+                         zip(self.M.accepting.tolist(), self.mid.tolist(), self.ws_in.tolist(), wide.tolist(), e0, e1)]
         return self._xk
 
     def _content_key(self, s: int) -> tuple:
-        """The cross-compile key of :meth:`state_bad` for s (:mod:`.verdict_cache`): the flags, the edges'
-        token sums weighted by their successors' table multipliers, the entering classes' sums."""
+        """The cross-compile key of :meth:`state_bad` for s (:mod:`.verdict_cache`): the flags and the
+        entering classes' sums (made once per analysis), the edges' token sums weighted by their successors'
+        table multipliers."""
         xk = self._xk if self._xk is not None else self._xkey_init()
-        _, gh, ent_sum, wide, mul = xk
         M = self.M
-        e0, e1 = _kernels().content_key(s, M.edge_ptr, M.edge_group, M.edge_next, self.tag, gh, mul)
-        ent = None if wide[s] else (int(ent_sum[0, s]), int(ent_sum[1, s]))
-        return (bool(M.accepting[s]), bool(self.mid[s]), bool(self.ws_in[s]), int(e0), int(e1), ent)
+        e0, e1 = _kernels().content_key(s, M.edge_ptr, M.edge_group, M.edge_next, self.tag, xk[1], xk[4])
+        return (self._xstatic[s], e0, e1)
 
     def state_bad(self, s: int, only: np.ndarray | None = None):
         """The bad table of s given the current tables of its successors (None = all good); decided for
