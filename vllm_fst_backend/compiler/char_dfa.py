@@ -391,7 +391,7 @@ def build_char_dfa(
                     f"unbounded one, or a very large bound)",
                     None,
                 )
-            total_size += len(D) + len(cand)
+            total_size += len(D)
             if total_size > max_follow:
                 raise CompileBudgetError(
                     f"regex automaton construction exceeds its budget ({max_follow} position-set entries)", None

@@ -1103,6 +1103,28 @@ def _special_select(x, m, stamp_tgt, sp_tok_e, sp_group_e, lf_e, cls_e, opens_e,
 
 
 @_jit
+def _special_by_id(xs, ps, sp_tok_e, sp_group_e, stamp_tgt, id_tok, id_pos, inner_tok, inner_tgt):
+    """:func:`special_prep`'s outputs by token id: for the special tokens of est indices ``xs`` (in
+    increasing token id) and their results ``ps`` (:func:`_special_select`), the selected ones with their
+    positions into ``id_tok`` / ``id_pos`` and those that open a byte-fallback character with their
+    targets into ``inner_tok`` / ``inner_tgt``. Returns the number of the latter."""
+    k = 0
+    n_inner = 0
+    for r in range(xs.shape[0]):
+        x = xs[r]
+        p = ps[r]
+        if p >= 0:
+            id_tok[k] = sp_tok_e[x]
+            id_pos[k] = p
+            k += 1
+        elif p == -2:
+            inner_tok[n_inner] = sp_tok_e[x]
+            inner_tgt[n_inner] = stamp_tgt[sp_group_e[x]]
+            n_inner += 1
+    return n_inner
+
+
+@_jit
 def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e, sp_id_to_e, grp_ptr, grp_x,
                  lf_e, cls_e, opens_e, j_e, ctxj_e, sigma_la_row, vt, vg, jw, dj, good_t, id_tok, id_pos,
                  inner_tok, inner_tgt, row_reg, row_all):
@@ -1138,7 +1160,6 @@ def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e,
         stamp_tgt[gs[e]] = ts[e]
         tot += grp_ptr[gs[e] + 1] - grp_ptr[gs[e]]
     m = 0
-    n_inner = 0
     if 4 * tot < n_sp:
         xs = np.empty(tot, np.int64)
         k = 0
@@ -1159,19 +1180,8 @@ def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e,
         for i in range(tot):
             toks[i] = sp_tok_e[xs[i]]
         by_tok = np.argsort(toks)
-        k = 0
-        for r in range(tot):
-            i = by_tok[r]
-            p = pos[i]
-            if p >= 0:
-                id_tok[k] = toks[i]
-                id_pos[k] = p
-                k += 1
-            elif p == -2:
-                inner_tok[n_inner] = toks[i]
-                inner_tgt[n_inner] = stamp_tgt[sp_group_e[xs[i]]]
-                n_inner += 1
-        return m, n_inner
+        return m, _special_by_id(xs[by_tok], pos[by_tok], sp_tok_e, sp_group_e, stamp_tgt, id_tok, id_pos, inner_tok,
+                                 inner_tgt)
     pos_of = np.full(n_sp, -1, np.int64)  # by est index: position in vt, or -2 (inner), -1 (not selected)
     for x in range(n_sp):
         if stamp[sp_group_e[x]] != call:
@@ -1181,19 +1191,8 @@ def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e,
         pos_of[x] = p
         if p >= 0:
             m += 1
-    k = 0
-    for r in range(n_sp):
-        x = sp_id_to_e[r]
-        p = pos_of[x]
-        if p >= 0:
-            id_tok[k] = sp_tok_e[x]
-            id_pos[k] = p
-            k += 1
-        elif p == -2:
-            inner_tok[n_inner] = sp_tok_e[x]
-            inner_tgt[n_inner] = stamp_tgt[sp_group_e[x]]
-            n_inner += 1
-    return m, n_inner
+    return m, _special_by_id(sp_id_to_e, pos_of[sp_id_to_e], sp_tok_e, sp_group_e, stamp_tgt, id_tok, id_pos,
+                             inner_tok, inner_tgt)
 
 
 @_jit
