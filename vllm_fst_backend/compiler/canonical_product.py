@@ -1307,7 +1307,9 @@ class _Analysis:
                 continue  # no whitespace-final token enters s: σ != ALL never occurs here
             # a product state (t, k, σ) with σ != ALL is only ever entered by a whitespace-final token,
             # so k is the class of one: other classes are irrelevant there (left good)
-            idx = idx0 if i == 0 else idx0[H.sigma_cls[i][idx0]]  # (σ_i, k) pairs that occur
+            # (σ_i, k) pairs that occur; idx0 may be memoized (_cls_ids): every step below reads idx and
+            # makes new arrays, none writes into it
+            idx = idx0 if i == 0 else idx0[H.sigma_cls[i][idx0]]
             if only is not None:
                 idx = idx[only[i, idx]]
             if not len(idx):
@@ -1316,8 +1318,6 @@ class _Analysis:
             if len(las):
                 # a few witnesses (good successor, rarely banned): each keeps the classes banning it
                 idx = self._witness_keep(idx, wc, tt, tab, las)
-            elif idx is idx0:
-                idx = idx0.copy()  # (idx0 is memoized: what follows gets its own array)
             if len(idx):
                 if full_row is None:
                     full_row = self.regular_row_packed(s)
