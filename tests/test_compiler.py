@@ -1203,3 +1203,50 @@ def test_eager_base_rows_equal_lazy_and_survive_pickling(fst_artifacts, monkeypa
         assert np.array_equal(fl._base_row(s), fe.an.regular_row_groups(s)), s
     for x, r in walked:  # the product rows: the same in all three
         assert np.array_equal(r, fl.row(x)) and np.array_equal(r, fe.row(x)), x
+
+
+_KERNEL_SIGNATURES_SCRIPT = r"""
+import json, sys
+import numba
+import numpy as np
+from vllm_fst_backend.compiler import compile_regex, kernels as K, prepare
+from vllm_fst_backend.artifacts.store import load_artifacts
+from vllm_fst_backend.runtime import FstMatcher
+from scripts.bench_compile_serving import fst_regex, serving_constraints
+
+K.warm_up()
+disp = {n: getattr(K, n) for n in dir(K) if isinstance(getattr(K, n), numba.core.registry.CPUDispatcher)}
+before = {n: set(d.signatures) for n, d in disp.items()}
+rng = np.random.default_rng(0)
+rxs = [fst_regex(kind, spec) for _, kind, spec in serving_constraints(4)]
+rxs += [r'[^"]{0,40}', r'(\w+ ){1,5}\.', r'"[^"\\]*"', '(Yes|No|Maybe)']
+for path in sys.argv[1:]:
+    arts = load_artifacts(path)
+    prepare(arts)
+    for rx in rxs:
+        m = FstMatcher(compile_regex(rx, arts))
+        for _ in range(12):
+            if m.is_terminated():
+                break
+            assert m.accept_tokens("r", [int(rng.choice(m.allowed_token_ids()))])
+print(json.dumps({n: [str(s) for s in d.signatures if s not in before[n]] for n, d in disp.items()}))
+"""
+
+
+def test_warm_up_compiles_every_kernel_signature_a_compile_uses(built_artifacts):
+    """:func:`.kernels.warm_up` (run before any compile budget starts) compiles every numba signature that
+    compiling and matching real constraints then uses, on the three tokenizers (byte fallback, ~14.6k
+    special tokens): a signature it misses is JIT-compiled inside the first compile's time budget, seconds
+    on a fresh install (a fresh process: this one has compiled everything already)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    paths = [str(built_artifacts(n, canonical=True)) for n in ("smollm2", "mistral_v1", "tekken")]
+    root = Path(__file__).resolve().parents[1]
+    got = subprocess.run([sys.executable, "-c", _KERNEL_SIGNATURES_SCRIPT, *paths], cwd=root, capture_output=True,
+                         text=True, timeout=900)
+    assert got.returncode == 0, got.stderr[-3000:]
+    new = json.loads(got.stdout.strip().splitlines()[-1])
+    assert any(k == "canon_step" for k in new)  # (the script saw the kernels)
+    assert {k: v for k, v in new.items() if v} == {}

@@ -1357,6 +1357,11 @@ def content_key(s, edge_ptr, edge_group, edge_next, tag, gh, mul):
     return h0, h1
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel on tiny inputs of the dtypes the callers use.
     Idempotent and thread-safe; ~0.1 s with a warm cache, a few seconds the very first time."""
@@ -1382,7 +1387,8 @@ def warm_up() -> None:
         unique_states(i64, 1)
         finish(i64, i64, i64, np.ones(1, bool), 1)
         few = (np.zeros(1, np.bool_), np.zeros(2, np.int64), i64[:0])
-        allows_some(np.zeros((1, 1), np.int32), *few, i32[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
+        for row in (i32[:1].copy(), _read_only(i32[:1].copy())):  # (memoized rows are read-only)
+            allows_some(np.zeros((1, 1), np.int32), *few, row, i64[:1], i64[:1], np.zeros(1, np.bool_))
         group_tokens(i32, 1)
         group_tokens(i64, 1)
         entering_classes(i64[:1], i64[:1], np.array([0, 1], np.int64), i64[:1], 1, 1)
@@ -1398,21 +1404,31 @@ def warm_up() -> None:
                    i32[:1], np.zeros((1, 7), np.int64))
         grouped_allows_some(np.zeros((1, 1), np.int32), *few, i32[:1].copy(), i64[:1], np.zeros(2, np.int64), i64[:1],
                             i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
-        pairs_clear(np.zeros((1, 1), np.int32), i32[:1], i64[:1], np.zeros((1, 1), np.int64), i64[:1],
-                    np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.bool_), i64[:1], i64[:1], i64[:1], i64[:1],
-                    i64[:1], np.zeros(2, np.int64), i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
+        for tabs in (np.zeros((1, 1, 1), np.bool_), _read_only(np.zeros((1, 1, 1), np.bool_))):
+            pairs_clear(np.zeros((1, 1), np.int32), i32[:1], i64[:1], np.zeros((1, 1), np.int64), i64[:1],
+                        np.zeros((1, 1), np.int64), tabs, i64[:1], i64[:1], i64[:1], i64[:1],
+                        i64[:1], np.zeros(2, np.int64), i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
+        g1 = np.zeros(1, np.int64)
+        pack_groups(g1, g1, np.zeros(2, np.int64), np.zeros(1, np.bool_), np.zeros((1, 1), np.uint32))
+        regular_row(np.zeros(1, np.uint32), i32[:1], i64[:1], np.full(1, -1, np.int64), np.zeros((1, 1), np.uint32),
+                    g1, np.zeros(2, np.int64), np.zeros(1, np.bool_), i32[:1], np.zeros((1, 1), np.bool_))
+        e1 = [np.zeros(1, np.int64) for _ in range(8)]
+        special_prep(i32[:1], i32[:1], e1[0], e1[1], 1, i64[:1].copy(), np.zeros((1, 1), np.bool_), g1, g1, g1,
+                     np.zeros(2, np.int64), g1, g1, i32[:1], np.zeros(1, np.bool_), g1, g1, np.zeros(1, np.bool_),
+                     *e1[2:6], np.zeros(1, np.bool_), e1[6], e1[7], i64[:1].copy(), i64[:1].copy(),
+                     np.zeros(1, np.uint32), np.zeros(1, np.uint32))
         u = np.zeros(1, np.uint32)
         u2 = np.zeros((1, 1), np.uint32)
         b1 = np.ones(1, np.bool_)
-        # the canonical filter's CSR and start row are read-only memory maps: numba types read-only
-        # arrays apart, so warm both flavours
+        # the canonical filter's CSR is a read-only memory map of the artifacts (in-memory test artifacts:
+        # writable): numba types read-only arrays apart, so warm both flavours
         for writable in (True, False):
             bptr, bids, start = i64.copy(), np.zeros(1, np.uint16), u.copy()
-            for x in (bptr, bids, start):
+            for x in (bptr, bids):
                 x.setflags(write=writable)
             dyn = (np.zeros((0, 7), np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
             row_args = (np.zeros((1, 1), np.int64), np.zeros((1, 2), np.int64), np.zeros((1, 2), np.int64), u2,
-                        np.zeros(1, np.int32), 1, bptr, bids, 1, start, u2, b1, np.ones((1, 1), np.bool_),
+                        np.zeros(1, np.int64), 1, bptr, bids, 1, start, u2, b1, np.ones((1, 1), np.bool_),
                         np.zeros((2, 1), np.int64), i64, np.zeros((1, 1), np.int64), b1, b1, i64[:1])
             canon_row(np.zeros(1, np.int32), 0, 0, 0, *dyn, 0, *row_args)
             for row_writable in (True, False):  # (the matcher's rows are read-only memo entries)
