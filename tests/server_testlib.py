@@ -64,13 +64,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def fst_server(artifacts: Path, tmp: Path, *, jump_tokens: int = 0, env: dict | None = None):
+def fst_server(artifacts: Path, tmp: Path, *, jump_tokens: int = 0, env: dict | None = None,
+               args: tuple[str, ...] = ()):
     """Start the server on the canonical ``artifacts`` (``VLLM_FST_AUTO_BUILD=0``: it never builds its
     own), yield ``SimpleNamespace(base, log, proc, artifacts, model, disk_cache)``; stop it on exit.
 
     Args:
         jump_tokens: > 0 starts the forced-token proposer with that many speculative tokens.
         env: extra environment variables of the server (e.g. ``VLLM_FST_FALLBACK``).
+        args: extra command-line arguments of ``vllm serve`` (e.g. a tool-call parser).
 
     ``--enforce-eager``: ready in ~35 s instead of ~100-190 s (torch.compile); structured outputs are not
     affected. ``PROMETHEUS_MULTIPROC_DIR`` is fresh, so ``/metrics`` shows the engine's and workers'
@@ -94,6 +96,7 @@ def fst_server(artifacts: Path, tmp: Path, *, jump_tokens: int = 0, env: dict | 
     if jump_tokens:
         spec = {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": jump_tokens}
         cmd += ["--speculative-config", json.dumps(spec)]
+    cmd += list(args)
     full_env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="2",
