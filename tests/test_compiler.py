@@ -772,6 +772,20 @@ def test_deadend_entering_classes_exact(fst_artifacts, monkeypatch, name, regex,
             x = y1
 
 
+@pytest.mark.parametrize("name", ["smollm2", "tekken"])
+def test_packed_group_rows_exact_with_bad_tables(fst_artifacts, monkeypatch, name):
+    """Base rows built from packed rows of big groups per (group, successor tag)
+    (``canonical_product.PackedGroupRows``), in the analysis and in the factored automaton, are the
+    reference rows (group rows less the classes bad at each target) at every state of bounded quoted text,
+    where big groups lead to targets with bad tables (checked: such edges occur)."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+
+    M, H, n = _token_dfa_of(fst_artifacts(name), r'"[^"\\]{0,24}"', monkeypatch)
+    an = cp._Analysis(M, H, time.perf_counter() + 300, n)
+    an.run(n)
+    assert _check_base_rows(an) > 0
+
+
 def _check_setup_kernels(an):
     """The analysis' set-up kernels against numpy: tokens by group (a stable argsort), the witness
     table (a lexsort: lowest estimated ban count, lowest id on ties), the classes of each group (a
@@ -828,11 +842,16 @@ def _check_base_rows(an, fc=None):
     M = an.M
     if fc is None:
         fc = cp.FactoredCanonical(M, an.H, an, np.asarray([], np.int64), cp._signatures(an))
-    n_tagged = 0
+    n_tagged = n_packed_tagged = 0
     for s in range(M.num_states):
-        assert np.array_equal(fc._base_row(s), an.regular_row_groups(s)), s
-        n_tagged += bool(an.tag[M.edge_next[M.edge_ptr[s] : M.edge_ptr[s + 1]]].any())
+        ref = an.regular_row_groups(s)
+        assert np.array_equal(fc._base_row(s), ref), s
+        assert np.array_equal(an.regular_row(s), ref), s  # (the analysis' own packed rows)
+        gs, ts = an._edges(s)
+        n_tagged += bool(an.tag[ts].any())
+        n_packed_tagged += bool(((an.g_size[gs] > cp.PackedGroupRows.BIG) & (an.tag[ts] != 0)).any())
     assert n_tagged > 0  # some state has a successor with bad classes (the filter is exercised)
+    return n_packed_tagged
 
 
 def _check_special_prep(an, s: int, sig: int, toks: np.ndarray, tgts: np.ndarray) -> bool:

@@ -567,8 +567,7 @@ class _Analysis:
             regular = valid & ~special & ~bf_reject
             cats = H._fst_tok_cats = (bf_start, special, regular, np.maximum(H.tclass, 0))  # (class, -1 -> 0)
         self.bf_start, self.special, self.regular, self.tclass_safe = cats
-        # (no packed group rows: regular_row's token-by-token path)
-        self._no_grp = (np.full(max(self.G, 1), -1, dtype=np.int64), np.zeros((0, H.W), dtype=np.uint32))
+        self._pgrp = PackedGroupRows(H.W)  # (regular_row; not pickled)
 
     def _group_arrays(self) -> None:
         """The tokens of each group: ``g_toks`` (token ids grouped), ``g_ptr`` (``int64[G+1]`` offsets),
@@ -630,7 +629,7 @@ class _Analysis:
         state["_xk"] = state["_xstatic"] = None  # (the process's verdict cache; rebuilt to analyse again)
         state["_tag_of_obj"], state["_pinned"] = {}, []
         for name in ("bad", "_tag_full", "g_toks", "g_ptr", "g_size", "bf_start", "special", "regular",
-                     "tclass_safe", "_no_grp"):
+                     "tclass_safe", "_pgrp"):
             state.pop(name, None)  # (bad, _tag_full and the group arrays: rebuilt on first use)
         return state
 
@@ -1084,9 +1083,12 @@ class _Analysis:
         """A new ``int32[W]`` row: the regular tokens allowed at s whose successor (target, class of the
         token, ALL) is good -- the base row of s (:func:`.kernels.regular_row`, token by token)."""
         gs, ts = self._edges(s)
+        tags = self.tag[ts]
+        tab = self._tag_table()
+        slot, rows = self._pgrp.slots(self, gs, tags, tab)
         out = np.empty(self.H.W, dtype=np.int32)
-        _kernels().regular_row(out.view(np.uint32), gs, self.tag[ts], *self._no_grp, self.g_toks, self.g_ptr,
-                               self.regular, self.H.tclass, self._tag_table())
+        _kernels().regular_row(out.view(np.uint32), gs, tags, slot, rows, self.g_toks, self.g_ptr, self.regular,
+                               self.H.tclass, tab)
         return out
 
     def regular_row_packed(self, s: int) -> np.ndarray:
@@ -1541,8 +1543,7 @@ class FactoredCanonical:
         self._tag_buf = self._tag_bits
         self._spec_buf = np.zeros((0, 7), np.int64)  # spec rows of every built table (the snapshot: a view)
         self._base_buf = np.zeros((0, H.W), np.int32)  # base rows built so far (the snapshot: a view)
-        self._grp_buf = np.zeros((0, H.W), np.int32)  # packed rows of big groups (_regular_row)
-        self._grp = (np.full(max(self.an.G, 1), -1, dtype=np.int64), self._grp_buf)  # (slot per group, rows)
+        self._grp = PackedGroupRows(H.W)  # packed rows of big groups (_regular_row)
         n_sig = (int(self.base_index.max()) + 1) if len(self.base_index) else 1
         self._base_of_sig = np.full(n_sig, -1, dtype=np.int64)  # row of _base_buf per signature
         if self._eager_base is not None:  # the rows built at compile (build_tables; stored with the automaton)
@@ -1565,7 +1566,7 @@ class FactoredCanonical:
                            self._base_buf.view(np.uint32), slot.copy())
 
     _CACHES = ("_memo", "_spec", "_tagmask", "_has_inner", "_tag_bits", "_tag_buf", "_spec_buf", "_tag_row_arr",
-               "_fspec", "_base_buf", "_base_of_sig", "_grp_buf", "_grp")
+               "_fspec", "_base_buf", "_base_of_sig", "_grp")
 
     def __getstate__(self) -> dict:
         """Pickled state (``compiler/persist.py``) without the kernels' argument tuples, the Python lists
@@ -1587,7 +1588,7 @@ class FactoredCanonical:
     @property
     def nbytes(self) -> int:
         spec = self._fspec
-        return int(self._base_buf.nbytes + self._grp_buf.nbytes + self.base_index.nbytes
+        return int(self._base_buf.nbytes + self._grp.nbytes + self.base_index.nbytes
                    + self.H.W * 4 * len(self._memo) + self._tag_bits.nbytes + spec[0].nbytes + spec[1].nbytes
                    + spec[2].nbytes + spec[3].nbytes + spec[6].nbytes)
 
@@ -1742,13 +1743,11 @@ class FactoredCanonical:
         base = self._regular_row(s) if self._base_of_sig[int(self.base_index[s])] < 0 else None
         self._publish_specials(key, spec, s, base)
 
-    _BIG_GROUP = 512  # groups of more tokens get a packed row: their base-row part is an OR of W words
-
     def _regular_row(self, s: int, have_lock: bool = False) -> np.ndarray:
         """``int32[W]``: the base row of regex state s (:meth:`_Analysis.regular_row`'s bits; free-text
-        states allow tens of thousands of tokens, so the groups with more than :attr:`_BIG_GROUP` tokens on
-        edges to targets without a bad table are OR-ed in as packed rows, built once per group and
-        automaton: :func:`.kernels.regular_row`). ``have_lock``: the caller holds ``_lock``."""
+        states allow tens of thousands of tokens, so big groups are OR-ed in as packed rows, built once per
+        group, successor tag and automaton: :class:`PackedGroupRows`). ``have_lock``: the caller holds
+        ``_lock``."""
         an = self.an
         gs, ts = an._edges(s)
         tags = an.tag[ts]
@@ -1756,33 +1755,16 @@ class FactoredCanonical:
         got = an._row_cache.get((gs.tobytes(), tags.tobytes()))
         if got is not None:
             return np.array(got)
+        tab = an._tag_table()
         if have_lock:
-            self._add_group_rows(gs, tags)
+            slot, rows = self._grp.slots(an, gs, tags, tab)
         else:
             with self._lock:
-                self._add_group_rows(gs, tags)
-        slot, rows = self._grp
+                slot, rows = self._grp.slots(an, gs, tags, tab)
         out = np.empty(self._W, dtype=np.int32)
-        _kernels().regular_row(out.view(np.uint32), gs, tags, slot, rows.view(np.uint32), an.g_toks, an.g_ptr,
-                               an.regular, self.H.tclass, an._tag_table())
+        _kernels().regular_row(out.view(np.uint32), gs, tags, slot, rows, an.g_toks, an.g_ptr, an.regular,
+                               self.H.tclass, tab)
         return out
-
-    def _add_group_rows(self, gs: np.ndarray, tags: np.ndarray) -> None:
-        """Pack the rows of the big groups among ``gs`` (edges to targets with tag 0) that have none yet
-        and publish a new ``_grp`` snapshot (slot per group, rows). Call with ``_lock`` held."""
-        an = self.an
-        slot, rows = self._grp
-        need = gs[(an.g_size[gs] > self._BIG_GROUP) & (tags == 0)]
-        need = need[slot[need] < 0]
-        if not len(need):
-            return
-        new = np.zeros((len(need), self._W), dtype=np.int32)
-        _kernels().pack_groups(need.astype(np.int64), an.g_toks, an.g_ptr, an.regular, new.view(np.uint32))
-        n0 = len(rows)
-        self._grp_buf = _append_rows(self._grp_buf, n0, new)
-        slot = slot.copy()
-        slot[need] = n0 + np.arange(len(need))
-        self._grp = (slot, self._grp_buf[: n0 + len(need)])
 
     # automata with at most this many signatures get every base row at compile (build_tables): a few
     # ms, and a decode of bounded free text, which reaches a new signature every few steps, never waits
@@ -2156,6 +2138,55 @@ class FactoredCanonical:
         if v & (v - 1):
             return -1
         return w * 32 + v.bit_length() - 1
+
+
+class PackedGroupRows:
+    """Bit rows of the big token groups, per (group, successor tag), for :func:`.kernels.regular_row`: the
+    part of a base row an edge of a big group contributes (its regular tokens, less those whose class is
+    bad in the target's bad table) depends on the group and the target's tag only, and bounded free text
+    meets the same few large groups (its tokens by length) and tags at state after state (Tekken's
+    ``"[^"\\]{0,40}"``: 416 edges of big groups, 26 distinct pairs). Each pair is packed once
+    (:func:`.kernels.pack_groups`, one pass over its tokens); an edge then costs an OR of W words.
+
+    Snapshot semantics: :meth:`slots` publishes ``(slot dict, rows)`` as a whole and never writes rows
+    published before, so a kernel may read returned rows while another thread adds pairs (callers that
+    share an instance between threads call :meth:`slots` under their lock)."""
+
+    BIG = 512  # groups of more tokens get packed rows
+
+    def __init__(self, W: int):
+        self._buf = np.zeros((0, W), dtype=np.uint32)
+        self._snap: tuple[dict, np.ndarray] = ({}, self._buf)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._buf.nbytes)
+
+    def slots(self, an, gs: np.ndarray, tags: np.ndarray, tab: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(edge_slot int64[E], rows uint32[n, W])`` for the edges ``gs`` (groups, ``int32[E]``) to
+        targets with ``tags`` (``int64[E]``) of analysis ``an`` (``g_size``, ``g_toks``, ``g_ptr``,
+        ``regular``; ``tab`` its σ = ALL rows per tag): the row of each big group's edge, -1 elsewhere;
+        packs the pairs not seen before."""
+        slot, rows = self._snap
+        out = np.full(len(gs), -1, dtype=np.int64)
+        big = np.flatnonzero(an.g_size[gs] > self.BIG)
+        if not len(big):
+            return out, rows
+        keys = list(zip(gs[big].tolist(), tags[big].tolist()))
+        need = sorted({k for k in keys if k not in slot})
+        if need:
+            new = np.zeros((len(need), self._buf.shape[1]), dtype=np.uint32)
+            arr = np.array(need, dtype=np.int64).reshape(-1, 2)
+            _kernels().pack_groups(arr[:, 0].copy(), arr[:, 1].copy(), an.g_toks, an.g_ptr, an.regular,
+                                   an.H.tclass, tab, new)
+            n0 = len(rows)
+            self._buf = _append_rows(self._buf, n0, new)
+            slot = dict(slot)
+            slot.update({k: n0 + i for i, k in enumerate(need)})
+            rows = self._buf[: n0 + len(need)]
+            self._snap = (slot, rows)
+        out[big] = [slot[k] for k in keys]
+        return out, rows
 
 
 def _append_rows(buf: np.ndarray, n: int, rows: np.ndarray) -> np.ndarray:

@@ -826,35 +826,43 @@ def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
 
 
 @_jit
-def pack_groups(groups, g_toks, g_ptr, regular, rows_u32):
+def pack_groups(groups, gtags, g_toks, g_ptr, regular, tclass, tab, rows_u32):
     """Row ``i`` of ``rows_u32`` (``uint32[n, W]``, zeroed by the caller) = the regular tokens
-    (``regular[v]``) of group ``groups[i]`` as a bit row (group g's tokens ``g_toks[g_ptr[g]:g_ptr[g+1]]``)."""
+    (``regular[v]``) of group ``groups[i]`` as a bit row (group g's tokens ``g_toks[g_ptr[g]:g_ptr[g+1]]``),
+    less, when ``gtags[i] != 0``, those whose class is bad in that successor's bad table
+    (``tab[gtags[i], tclass[v]]``: :func:`regular_row`'s rule for an edge to a target with a bad table)."""
     for i in range(groups.shape[0]):
         g = groups[i]
+        tg = gtags[i]
         for p in range(g_ptr[g], g_ptr[g + 1]):
             v = g_toks[p]
-            if regular[v]:
-                rows_u32[i, v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+            if not regular[v]:
+                continue
+            if tg != 0:
+                c = tclass[v]
+                if c >= 0 and tab[tg, c]:
+                    continue
+            rows_u32[i, v >> 5] |= np.uint32(1) << np.uint32(v & 31)
 
 
 @_jit
-def regular_row(out_u32, gs, etags, grp_slot, grp_rows, g_toks, g_ptr, regular, tclass, tab):
+def regular_row(out_u32, gs, etags, edge_slot, grp_rows, g_toks, g_ptr, regular, tclass, tab):
     """The base row of one regex state (the regular tokens it allows whose successor is good with σ = ALL;
     ``_Analysis.regular_row_groups`` is the numpy reference): bit v of ``out_u32`` (``uint32[W]``,
     overwritten) is set iff v is in a group ``gs[e]`` (the state's edge groups) with ``regular[v]`` and,
     where the edge's target has a bad table (``etags[e] != 0``), its class is not bad there
     (``tab[etags[e], tclass[v]]``, ``bool[n_tags + 1, C]``: the σ = ALL rows per tag). Groups' tokens:
-    ``g_toks[g_ptr[g]:g_ptr[g+1]]``. A group with a packed row (``grp_slot[g] >= 0``: row of ``grp_rows``,
-    ``uint32[n, W]``, from :func:`pack_groups`) on an edge to a target without a bad table is OR-ed in
-    (W words); the others cost a pass over their tokens."""
+    ``g_toks[g_ptr[g]:g_ptr[g+1]]``. An edge with a packed row (``edge_slot[e] >= 0``: row of ``grp_rows``,
+    ``uint32[n, W]``, from :func:`pack_groups` for that group and tag) is OR-ed in (W words); the others
+    cost a pass over their group's tokens."""
     W = out_u32.shape[0]
     for w in range(W):
         out_u32[w] = 0
     for e in range(gs.shape[0]):
         g = gs[e]
         tg = etags[e]
-        r = grp_slot[g]
-        if r >= 0 and tg == 0:
+        r = edge_slot[e]
+        if r >= 0:
             for w in range(W):
                 out_u32[w] |= grp_rows[r, w]
             continue
@@ -1409,7 +1417,8 @@ def warm_up() -> None:
                         np.zeros((1, 1), np.int64), tabs, i64[:1], i64[:1], i64[:1], i64[:1],
                         i64[:1], np.zeros(2, np.int64), i64[:1], i64[:1], i64[:1], np.zeros(1, np.bool_))
         g1 = np.zeros(1, np.int64)
-        pack_groups(g1, g1, np.zeros(2, np.int64), np.zeros(1, np.bool_), np.zeros((1, 1), np.uint32))
+        pack_groups(g1, g1, g1, np.zeros(2, np.int64), np.zeros(1, np.bool_), i32[:1], np.zeros((1, 1), np.bool_),
+                    np.zeros((1, 1), np.uint32))
         regular_row(np.zeros(1, np.uint32), i32[:1], i64[:1], np.full(1, -1, np.int64), np.zeros((1, 1), np.uint32),
                     g1, np.zeros(2, np.int64), np.zeros(1, np.bool_), i32[:1], np.zeros((1, 1), np.bool_))
         e1 = [np.zeros(1, np.int64) for _ in range(8)]
