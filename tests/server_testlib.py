@@ -1,5 +1,5 @@
 """A real vLLM CPU server with ``--structured-outputs-config.backend fst`` for the end-to-end test
-modules (``test_vllm_e2e.py``, ``test_stress_e2e.py``): the command line, the environment and the
+modules (``test_vllm_e2e.py``, ``test_vllm_tools_e2e.py``, ``test_stress_e2e.py``): the command line, the environment and the
 readiness wait in one place (the start itself is ``scripts/vllm_server.running_server``)."""
 
 from __future__ import annotations
@@ -19,6 +19,23 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 900
 PROPOSER_CLASS = "vllm_fst_backend.vllm_plugin.FstForcedTokenProposer"
+EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")  # SmolLM2's end-of-turn and end-of-text tokens
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """SmolLM2's own tokenizer (the oracle for canonicality)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(MODEL))
+
+
+@pytest.fixture(scope="module")
+def eos_ids(tok) -> set[int]:
+    """The token ids of :data:`EOS_TOKENS`."""
+    ids = {tok.convert_tokens_to_ids(t) for t in EOS_TOKENS}
+    assert None not in ids and len(ids) == len(EOS_TOKENS), ids
+    return ids
 
 
 def e2e_opted_out() -> bool:
@@ -205,13 +222,15 @@ def heavy_schemas(field: str, n: int, text_len: int = 180) -> list[dict]:
              "required": [f"{field}_{i}", "rank"], "additionalProperties": False} for i in range(n)]
 
 
-def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None) -> tuple[float, float, dict]:
+def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None,
+                     min_pending: int = 2) -> tuple[float, float, dict]:
     """``n`` concurrent requests, each with a new heavy JSON schema (bounded strings: tens of ms of compile
     each, queued in the compile processes) and a long distinct prompt (~330 tokens to prefill), one of them
     through the completions endpoint with n = 2; ``xargs`` go to every request (``vllm_xargs``). Asserts
     that every output is canonical and valid against its schema. Returns the deltas of
     ``vllm_fst_first_samples_in_step_total`` and ``vllm_fst_late_first_samples_total`` and the metrics after
-    (``tag`` makes the schemas new to a server that ran this before)."""
+    (``tag`` makes the schemas new to a server that ran this before). Asserts that at least ``min_pending``
+    requests were prefilled while their constraint still compiled (~330 prompt tokens each)."""
     import jsonschema
     import requests
     from concurrent.futures import ThreadPoolExecutor
@@ -251,5 +270,5 @@ def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None) ->
     in_step = metric_delta(after, before, "vllm_fst_first_samples_in_step_total")
     late = metric_delta(after, before, "vllm_fst_late_first_samples_total")
     print(f"\nfirst samples ({tag}): {in_step:.0f} in their step, {late:.0f} dropped (grammar late)")
-    assert metric_delta(after, before, "vllm_fst_pending_prefill_tokens_total") > 300 * 2
+    assert metric_delta(after, before, "vllm_fst_pending_prefill_tokens_total") > 300 * min_pending
     return in_step, late, {"before": before, "after": after}

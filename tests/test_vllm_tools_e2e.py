@@ -20,11 +20,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 from server_testlib import e2e_opted_out, fst_server
 from server_testlib import assert_canonical as _assert_canonical
+from server_testlib import eos_ids, tok  # noqa: F401  (fixtures)
 
 if e2e_opted_out():
     pytest.skip("VLLM_FST_E2E=0: end-to-end server tests opted out", allow_module_level=True)
 
-EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 WEATHER = {
     "type": "object",
@@ -61,22 +61,6 @@ def server(request, tmp_path_factory):
     args = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
     with fst_server(artifacts, tmp_path_factory.mktemp("vllm_tools_server"), args=args) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from server_testlib import MODEL
-
-    return AutoTokenizer.from_pretrained(str(MODEL))
-
-
-@pytest.fixture(scope="module")
-def eos_ids(tok) -> set[int]:
-    ids = {tok.convert_tokens_to_ids(t) for t in EOS_TOKENS}
-    assert None not in ids and len(ids) == len(EOS_TOKENS), ids
-    return ids
 
 
 def _fallback_count(server) -> float:

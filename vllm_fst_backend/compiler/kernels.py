@@ -826,23 +826,28 @@ def spec_table(gs, ts, spec_group, st, tag, tag_row_arr, tag_bits, tclass, out):
 
 
 @_jit
+def _or_group_tokens(out_u32, g, tg, g_toks, g_ptr, regular, tclass, tab):
+    """OR into ``out_u32`` (``uint32[W]``) the regular tokens of group g, less, when ``tg != 0``, those
+    whose class is bad in bad table ``tg`` (``tab[tg, tclass[v]]``)."""
+    for p in range(g_ptr[g], g_ptr[g + 1]):
+        v = g_toks[p]
+        if not regular[v]:
+            continue
+        if tg != 0:
+            c = tclass[v]
+            if c >= 0 and tab[tg, c]:
+                continue
+        out_u32[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+
+
+@_jit
 def pack_groups(groups, gtags, g_toks, g_ptr, regular, tclass, tab, rows_u32):
     """Row ``i`` of ``rows_u32`` (``uint32[n, W]``, zeroed by the caller) = the regular tokens
     (``regular[v]``) of group ``groups[i]`` as a bit row (group g's tokens ``g_toks[g_ptr[g]:g_ptr[g+1]]``),
     less, when ``gtags[i] != 0``, those whose class is bad in that successor's bad table
     (``tab[gtags[i], tclass[v]]``: :func:`regular_row`'s rule for an edge to a target with a bad table)."""
     for i in range(groups.shape[0]):
-        g = groups[i]
-        tg = gtags[i]
-        for p in range(g_ptr[g], g_ptr[g + 1]):
-            v = g_toks[p]
-            if not regular[v]:
-                continue
-            if tg != 0:
-                c = tclass[v]
-                if c >= 0 and tab[tg, c]:
-                    continue
-            rows_u32[i, v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+        _or_group_tokens(rows_u32[i], groups[i], gtags[i], g_toks, g_ptr, regular, tclass, tab)
 
 
 @_jit
@@ -859,22 +864,12 @@ def regular_row(out_u32, gs, etags, edge_slot, grp_rows, g_toks, g_ptr, regular,
     for w in range(W):
         out_u32[w] = 0
     for e in range(gs.shape[0]):
-        g = gs[e]
-        tg = etags[e]
         r = edge_slot[e]
         if r >= 0:
             for w in range(W):
                 out_u32[w] |= grp_rows[r, w]
-            continue
-        for p in range(g_ptr[g], g_ptr[g + 1]):
-            v = g_toks[p]
-            if not regular[v]:
-                continue
-            if tg != 0:
-                c = tclass[v]
-                if c >= 0 and tab[tg, c]:
-                    continue
-            out_u32[v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+        else:
+            _or_group_tokens(out_u32, gs[e], etags[e], g_toks, g_ptr, regular, tclass, tab)
 
 
 @_jit
