@@ -22,20 +22,28 @@ PROPOSER_CLASS = "vllm_fst_backend.vllm_plugin.FstForcedTokenProposer"
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")  # SmolLM2's end-of-turn and end-of-text tokens
 
 
-@pytest.fixture(scope="module")
-def tok():
+def load_tokenizer():
     """SmolLM2's own tokenizer (the oracle for canonicality)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(MODEL))
 
 
-@pytest.fixture(scope="module")
-def eos_ids(tok) -> set[int]:
+def eos_ids_of(tokenizer) -> set[int]:
     """The token ids of :data:`EOS_TOKENS`."""
-    ids = {tok.convert_tokens_to_ids(t) for t in EOS_TOKENS}
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in EOS_TOKENS}
     assert None not in ids and len(ids) == len(EOS_TOKENS), ids
     return ids
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def eos_ids(tok) -> set[int]:
+    return eos_ids_of(tok)
 
 
 def e2e_opted_out() -> bool:
@@ -166,11 +174,16 @@ def outputs_of(r, eos_ids) -> list[tuple[str, list[int]]]:
         ids = c["token_ids"]
         assert ids is not None, f"no token_ids in the response (return_token_ids): {c}"
         assert c["finish_reason"] == "stop", f"did not stop ({c['finish_reason']}): {text!r} {ids}"
-        if ids and ids[-1] in eos_ids:
-            ids = ids[:-1]
-        assert not set(ids) & eos_ids, f"EOS inside the output: {ids}"
-        outs.append((text, ids))
+        outs.append((text, without_eos(ids, eos_ids)))
     return outs
+
+
+def without_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
+    """``ids`` less a final EOS; no EOS may remain inside."""
+    if ids and ids[-1] in eos_ids:
+        ids = ids[:-1]
+    assert not set(ids) & eos_ids, f"EOS inside the output: {ids}"
+    return ids
 
 
 def assert_canonical(tok, text: str, ids: list[int]) -> None:
@@ -234,10 +247,8 @@ def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None,
     import jsonschema
     import requests
     from concurrent.futures import ThreadPoolExecutor
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(MODEL))
-    eos_ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    tok = load_tokenizer()
+    eos_ids = eos_ids_of(tok)
     warm = requests.post(server.base + "/v1/chat/completions", timeout=120, json={
         "model": server.model, "max_tokens": 4, "messages": [{"role": "user", "content": "yes or no?"}],
         "structured_outputs": {"regex": "(yes|no)"}})

@@ -12,13 +12,12 @@ backend. One server for the module (``--enforce-eager``, ~35 s to start); ``VLLM
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-from server_testlib import e2e_opted_out, fst_server
+from server_testlib import e2e_opted_out, fst_server, metrics, without_eos
 from server_testlib import assert_canonical as _assert_canonical
 from server_testlib import eos_ids, tok  # noqa: F401  (fixtures)
 
@@ -64,10 +63,7 @@ def server(request, tmp_path_factory):
 
 
 def _fallback_count(server) -> float:
-    import requests
-
-    text = requests.get(server.base + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r"^vllm_fst_fallback_requests_total\{[^}]*\} (\S+)$", text, re.M))
+    return metrics(server).get("vllm_fst_fallback_requests_total", 0.0)  # (all constraint kinds)
 
 
 def _tool_chat(server, content: str, tool_choice, temperature: float, n: int = 1, **kw):
@@ -97,10 +93,8 @@ def _check_calls(choice, tok, eos_ids, names: set[str]) -> tuple[list[dict], str
         args = json.loads(c["function"]["arguments"])
         jsonschema.validate(args, PARAMS[name], format_checker=jsonschema.FormatChecker())
         out.append({"name": name, "parameters": args})
-    ids = choice["token_ids"]
-    assert ids, choice
-    if ids[-1] in eos_ids:
-        ids = ids[:-1]
+    assert choice["token_ids"], choice
+    ids = without_eos(choice["token_ids"], eos_ids)
     text = tok.decode(ids)
     _assert_canonical(tok, text, ids)
     return out, text

@@ -1081,7 +1081,8 @@ class _Analysis:
 
     def regular_row(self, s: int) -> np.ndarray:
         """A new ``int32[W]`` row: the regular tokens allowed at s whose successor (target, class of the
-        token, ALL) is good -- the base row of s (:func:`.kernels.regular_row`, token by token)."""
+        token, ALL) is good -- the base row of s (:func:`.kernels.regular_row`; big groups through packed
+        rows, :class:`PackedGroupRows`)."""
         gs, ts = self._edges(s)
         tags = self.tag[ts]
         tab = self._tag_table()
