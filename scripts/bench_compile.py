@@ -83,10 +83,12 @@ TARGET_MS = {"simple": 10, "JSON": 100, "free-text": 250}
 class Fst:
     def __init__(self, artifacts, canonical: bool):
         from vllm_fst_backend.compiler import CompileOptions, prepare
+        from vllm_fst_backend.compiler.service import settle_heap
 
         self.arts = artifacts
         self.opts = CompileOptions(canonical=canonical)
         prepare(artifacts, canonical=canonical)
+        settle_heap()  # (as the compile process does once prepared: compiler/service.py)
         self.name = "fst canonical" if canonical else "fst"
 
     def cold(self):

@@ -77,9 +77,11 @@ def fst_regex(kind: str, spec) -> str:
 def measure_fst(cases, arts, repeats: int) -> list[dict]:
     """Per constraint: the stats of the median-time compile of ``repeats`` cold compiles."""
     from vllm_fst_backend.compiler import compile_regex, forget_verdicts, prepare
+    from vllm_fst_backend.compiler.service import settle_heap
     from vllm_fst_backend.errors import CompileBudgetError
 
     prepare(arts)
+    settle_heap()  # (as the compile process does once prepared: compiler/service.py)
     out = []
     for name, kind, spec in cases:
         rx = fst_regex(kind, spec)

@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     import tempfile
 
     from vllm_fst_backend.compiler.compile import CompileBudgets, CompileOptions, compile_regex, forget_verdicts, prepare
+    from vllm_fst_backend.compiler.service import settle_heap
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifacts", nargs="*", default=[], help="name=DIR (names: smollm2, mistral_v1, tekken)")
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             prepare(arts)
             first = (time.perf_counter() - t, prepare_in_new_process(d, path))
+            settle_heap()  # (as the compile process does once prepared: compiler/service.py)
             print(name, f"preparation {first[0]:.2f} s (builds), another process {first[1]:.2f} s (takes them from the store)", flush=True)
             compile_regex("a", arts, CompileOptions(canonical=True), budgets=budgets)
         cells = {}

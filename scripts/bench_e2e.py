@@ -1402,17 +1402,20 @@ def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict
     ok = [(c, r) for c, r in zip(cases, results) if r.get("ok")]
     failed = [r for r in results if not r.get("ok")]
     valid = [output_valid(c, r["text"]) for c, r in ok]
-    canons = [output_canonical(r["token_ids"], r["text"], tokenizer, stop_ids) for _, r in ok]
+    canons = [output_canonical(r["token_ids"], r["text"], tokenizer, stop_ids, finish=r["finish"]) for _, r in ok]
     canon = [x for x in canons if x is not None]
     ttft = [1e3 * r["ttft"] for _, r in ok]
     lat = [1e3 * r["latency"] for _, r in ok]
     tokens = sum(r["completion_tokens"] or 0 for _, r in ok)
     chars = sum(len(r["text"] or "") for _, r in ok)
-    bad = []
-    for (c, r), v, cn in zip(ok, valid, canons):
+    bad = []  # up to 3 examples: the non-canonical outputs first (with their ids), then the invalid ones
+    for (c, r), v, cn in sorted(zip(ok, valid, canons), key=lambda x: x[2] is not False):
         if (not v or cn is False) and len(bad) < 3:
-            bad.append({"kind": c.kind, "spec": c.spec if c.kind == "regex" else c.name, "text": r["text"][:300],
-                        "finish": r["finish"], "valid": v, "canonical": cn})  # fmt: skip
+            ex = {"kind": c.kind, "spec": c.spec if c.kind == "regex" else c.name, "text": r["text"][:300],
+                  "finish": r["finish"], "valid": v, "canonical": cn}
+            if cn is False:
+                ex["token_ids"] = list(r["token_ids"])
+            bad.append(ex)
     return {
         "backend": backend,
         "workload": "serving",

@@ -331,3 +331,40 @@ def test_service_runs_one_compile_at_a_time_until_it_stalls():
     svc._release(got[1][1], 70)
     svc._release(first, 50)
     assert svc._n_slow == 0 and svc._running == {}
+
+
+def test_compile_process_settles_its_heap_only_while_idle():
+    """The compile process freezes the objects that survive a request (``settle_heap``) only while no
+    request waits on its pipe, so that the collector's traversal of its long-lived heap never runs inside
+    a compile; a thaw every ``REFREEZE_EVERY`` replies lets reference cycles among frozen objects go."""
+    import gc
+    import os
+    import weakref
+
+    from vllm_fst_backend.compiler import service
+
+    class Node:
+        pass
+
+    r, w = os.pipe()
+    try:
+        with os.fdopen(r, "rb", buffering=0) as rf:
+            gc.unfreeze()
+            os.write(w, b"x")  # a request waits: nothing is frozen
+            service._settle_when_idle(rf, 1)
+            assert gc.get_freeze_count() == 0
+            rf.read(1)
+            service._settle_when_idle(rf, 1)  # idle: the survivors are frozen
+            assert gc.get_freeze_count() > 0
+            a, b = Node(), Node()
+            a.other, b.other = b, a  # a cycle, frozen while alive
+            gone = weakref.ref(a)
+            service.settle_heap()
+            del a, b
+            gc.collect()
+            assert gone() is not None  # frozen: no collection sees it
+            service._settle_when_idle(rf, service.REFREEZE_EVERY)  # the periodic thaw collects it
+            assert gone() is None
+    finally:
+        os.close(w)
+        gc.unfreeze()
