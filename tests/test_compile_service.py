@@ -152,6 +152,41 @@ def test_service_compiles_into_the_disk_cache(service, smol):
     assert c is not None and _row(c, 0).any()
 
 
+def test_schema_regex_converted_once_per_host(service, monkeypatch):
+    """The compile process stores a JSON schema's regex on the host; another process (the engine core,
+    a worker) takes it from there with the schema as vLLM keys it (``json.dumps`` of the dict) instead of
+    converting again. The key holds the whitespace pattern and the limits; errors are not stored."""
+    from vllm_fst_backend.compiler import constraints
+    from vllm_fst_backend.compiler.limits import InputLimits
+
+    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date"},
+                                               "n": {"type": "integer", "minimum": 1, "maximum": 12}},
+              "required": ["when", "n"], "additionalProperties": False}
+    r = service.check("JSON", schema, budget_s=30)
+    disk = persist.disk_cache_from_env()
+    assert list(disk.directory.glob("*.rx"))
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(constraints, "json_schema_to_regex", no_conversion)
+    assert constraints.constraint_to_regex("JSON", json.dumps(schema), disk=disk) == r.regex
+    # anything else the conversion reads is part of the key: converted (here: refused by the stub)
+    with pytest.raises(AssertionError, match="converted again"):
+        constraints.constraint_to_regex("JSON", json.dumps(schema), "[ ]?", disk=disk)
+    with pytest.raises(AssertionError, match="converted again"):
+        constraints.constraint_to_regex("JSON", json.dumps(schema), limits=InputLimits(max_regex_chars=10**6),
+                                        disk=disk)
+    with pytest.raises(AssertionError, match="converted again"):
+        constraints.constraint_to_regex("JSON", json.dumps({**schema, "required": ["n"]}), disk=disk)
+    monkeypatch.undo()
+    # a refused schema leaves nothing behind: the next process raises the same error
+    n = len(list(disk.directory.glob("*.rx")))
+    with pytest.raises(UnsupportedSchemaError):
+        constraints.constraint_to_regex("JSON", {"type": "object", "properties": {"a": {"$ref": "#"}}}, disk=disk)
+    assert len(list(disk.directory.glob("*.rx"))) == n
+
+
 def test_service_returns_named_errors(service):
     with pytest.raises(RegexSyntaxError) as e:
         service.check("REGEX", "(ab", budget_s=10)

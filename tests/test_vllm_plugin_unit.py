@@ -880,12 +880,21 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
             assert _time.monotonic() < deadline
             _time.sleep(0.005)
 
+    loads: list[int] = []  # threads that converted the constraint and looked its automaton up
+    orig_cached = vbackend.FstBackend.cached_vllm_grammar
+
+    def recording(self, r):
+        loads.append(threading.get_ident())
+        return orig_cached(self, r)
+
+    monkeypatch.setattr(vbackend.FstBackend, "cached_vllm_grammar", recording)
     key = bytes(32)
     token = markers.begin(key)
     req = request("p1", "ab", token)
     mgr.grammar_init(req)
     slot = req.structured_output_request._grammar
     assert pending.is_pending(slot) and submitted == [] and COMPILE_CALLS == []
+    assert threading.get_ident() not in loads  # live marker: nothing converted or loaded on the engine's thread
     # its first step: held back (its compile may end before the next one, then no early prefill is needed)
     assert Scheduler._handle_blocked_waiting_request(sched, req) is False and req.status == blocked
     # a request that could sample (no constraint) waits behind it: the pending one leaves it the step
@@ -921,6 +930,7 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     wait_done(req)
     assert isinstance(req.structured_output_request.grammar, vbackend.FstGrammar)
     assert submitted == [] and COMPILE_CALLS == []  # loaded, not compiled
+    assert loads and threading.get_ident() not in loads  # (by the watcher's thread)
     assert Scheduler._reserve_prefill_lookahead(sched, req, 49, 1) == 1
 
     token = markers.begin(key)

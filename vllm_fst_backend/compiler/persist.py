@@ -11,7 +11,10 @@ Format: one file per constraint, ``<key>.pkl``, a pickle (protocol 5) of the
 once per process from the artifacts, :func:`.canonical_product.canonical_helper`) and locks recreated.
 The key is the SHA-256 of (format version, the compiler's source code, the tokenizer fingerprint,
 regex, :class:`~.options.CompileOptions`): a changed compiler or tokenizer never loads an old file.
-Files are written atomically (temporary file + rename). The directory is created with mode 0700 and
+Files are written atomically (temporary file + rename). The regex a JSON schema converts to is stored
+beside them, ``<key>.rx`` (key: the compiler's source code, the spec's text, the whitespace pattern, the
+input limits): the engine core and the workers take it instead of converting again
+(:func:`.constraints.constraint_to_regex` with ``disk``). The directory is created with mode 0700 and
 only files in a directory owned by the current user are loaded (pickle trusts its input).
 
 Bounded in bytes: ``max_bytes`` (``$VLLM_FST_DISK_CACHE_BYTES``, default 1 GiB); a write that makes the
@@ -154,6 +157,44 @@ class DiskCache:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.pkl"
 
+    # --- the regexes of constraints (JSON schemas): converted once per host --------------------------
+
+    def regex_key(self, *parts: str) -> str:
+        """File stem of a constraint's regex: ``parts`` name the conversion's inputs (kind, spec text,
+        whitespace pattern, limits, ...); the compiler's source code is part of the key."""
+        h = hashlib.sha256()
+        for part in (str(FORMAT_VERSION), _source_hash(), "regex", *parts):
+            h.update(part.encode("utf-8", "surrogatepass"))
+            h.update(b"\0")
+        return h.hexdigest()[:40]
+
+    def load_regex(self, rkey: str) -> str | None:
+        """The regex stored under ``rkey`` (:meth:`store_regex`), else None."""
+        if not self._dir_ok():
+            return None
+        try:
+            with open(self.directory / f"{rkey}.rx", "rb") as fh:
+                return fh.read().decode("utf-8", "surrogatepass")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError):
+            self.errors += 1
+            return None
+
+    def store_regex(self, rkey: str, regex: str) -> None:
+        """Store the regex a constraint converted to under ``rkey`` (atomically; counted in the byte
+        budget like the automata)."""
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not self._dir_ok():
+                return
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".rx")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(regex.encode("utf-8", "surrogatepass"))
+            os.replace(tmp, self.directory / f"{rkey}.rx")
+        except OSError:
+            self.errors += 1
+
     def _dir_ok(self) -> bool:
         try:
             st = self.directory.stat()
@@ -222,7 +263,7 @@ class DiskCache:
     def _evict(self) -> None:
         try:
             entries = []
-            for p in self.directory.glob("*.pkl"):
+            for p in [*self.directory.glob("*.pkl"), *self.directory.glob("*.rx")]:
                 try:
                     st = p.stat()
                 except FileNotFoundError:
@@ -240,7 +281,7 @@ class DiskCache:
                 if total <= self.max_bytes:
                     break
             # leftovers of writers that died between mkstemp and rename
-            for p in self.directory.glob(".tmp-*.pkl"):
+            for p in [*self.directory.glob(".tmp-*.pkl"), *self.directory.glob(".tmp-*.rx")]:
                 try:
                     if time.time() - p.stat().st_mtime > 600:
                         p.unlink()
@@ -252,7 +293,7 @@ class DiskCache:
     def nbytes(self) -> int:
         """Bytes currently stored."""
         try:
-            return sum(p.stat().st_size for p in self.directory.glob("*.pkl"))
+            return sum(p.stat().st_size for pat in ("*.pkl", "*.rx") for p in self.directory.glob(pat))
         except OSError:
             return 0
 

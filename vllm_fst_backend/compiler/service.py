@@ -519,7 +519,7 @@ def _serve(artifacts_dir: str, tokenizer_path: str | None) -> int:
         try:
             t0 = time.perf_counter()
             deadline = t0 + req["budget_s"]
-            regex = constraint_to_regex(req["kind"], req["spec"], req["whitespace_pattern"], deadline=deadline)
+            regex = constraint_to_regex(req["kind"], req["spec"], req["whitespace_pattern"], deadline=deadline, disk=disk)
             options = req["options"]
             key = disk.key(regex, options, artifacts) if disk is not None else None
             hit = bool(disk is not None and disk._path(key).is_file())

@@ -219,7 +219,7 @@ class FstBackend(_BackendBase):
         """
         options = options or FstRequestOptions()
         kind = getattr(request_type, "name", str(request_type))
-        regex = constraint_to_regex(request_type, grammar_spec, whitespace_pattern)
+        regex = constraint_to_regex(request_type, grammar_spec, whitespace_pattern, disk=self.context.disk)
         res = self.context.compile(regex, options, _context.compile_budget_s("engine"), cached_only=cached_only)
         if res is None:
             return None

@@ -41,10 +41,11 @@ def params_kind(so_params: Any) -> tuple[str, Any]:
     raise InvalidConstraintError("no structured-output constraint given")
 
 
-def params_to_regex(so_params: Any) -> tuple[str, str]:
-    """(kind name, regex) for a ``StructuredOutputsParams``."""
+def params_to_regex(so_params: Any, disk: Any = None) -> tuple[str, str]:
+    """(kind name, regex) for a ``StructuredOutputsParams``; ``disk``: the host's disk cache, where a
+    schema's regex converted by another process is taken from (:func:`constraint_to_regex`)."""
     kind, spec = params_kind(so_params)
-    return kind, constraint_to_regex(kind, spec, getattr(so_params, "whitespace_pattern", None))
+    return kind, constraint_to_regex(kind, spec, getattr(so_params, "whitespace_pattern", None), disk=disk)
 
 
 def legacy_guided_to_structured_outputs(extra: dict[str, Any] | None):

@@ -411,8 +411,9 @@ class InProcessChecker:
         """The constraint's regex, once it compiled. Raises the conversion's / compiler's errors."""
         from vllm_fst_backend.compiler.constraints import constraint_to_regex
 
-        regex = constraint_to_regex(kind, spec, whitespace_pattern)
-        get_tokenizer_context(self.model_config).compile(regex, options or FstRequestOptions(), budget_s)
+        ctx = get_tokenizer_context(self.model_config)
+        regex = constraint_to_regex(kind, spec, whitespace_pattern, disk=ctx.disk)
+        ctx.compile(regex, options or FstRequestOptions(), budget_s)
         return regex
 
     async def acheck(self, kind: str, spec: Any, **kw: Any) -> str:

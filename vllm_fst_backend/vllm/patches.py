@@ -122,13 +122,14 @@ def _patch_manager(manager_cls: Any = None) -> None:
                 if getattr(self, "backend_name", None) == BACKEND_NAME and isinstance(self.backend, FstBackend):
                     adopt_fallback_route(so)  # vLLM 0.33: one backend per engine; fst owns the fallback
                 if isinstance(self.backend, FstBackend):
-                    # already compiled (the API server's check stored it on the host): load it here, ~1 ms,
-                    # ready for the next schedule; a compile goes to vLLM's grammar thread pool below
-                    grammar = self.backend.cached_vllm_grammar(request)
+                    # the API server is still compiling it: wait for its automaton (the request prefills
+                    # meanwhile, _patch_scheduler) instead of compiling it a second time; its conversion
+                    # and load then run in the watcher's thread, not on this one, which steps the others
+                    grammar = _pending_grammar(self, request)
                     if grammar is None:
-                        # the API server is still compiling it: wait for its automaton (the request
-                        # prefills meanwhile, _patch_scheduler) instead of compiling it a second time
-                        grammar = _pending_grammar(self, request)
+                        # already compiled (the API server's check stored it on the host): load it here,
+                        # ~1 ms, ready for the next schedule; a compile goes to vLLM's grammar pool below
+                        grammar = self.backend.cached_vllm_grammar(request)
                     if grammar is not None:
                         request.structured_output_request.grammar = grammar
                         return None

@@ -159,7 +159,7 @@ class FstForcedTokenProposer:
         ctx = self._context
         if ctx is not None:  # cache hit (e.g. the n>1 siblings of a request, a repeated schema): no wait
             try:
-                _, regex = params_to_regex(so)
+                _, regex = params_to_regex(so, disk=ctx.disk)
                 compiled = ctx.peek(regex, options)
             except Exception:
                 compiled = None
@@ -170,7 +170,7 @@ class FstForcedTokenProposer:
             ctx = self._ctx()
             if ctx is None:
                 raise RuntimeError(f"no tokenizer artifacts ({self._context_error})")
-            _, regex = params_to_regex(so)
+            _, regex = params_to_regex(so, disk=ctx.disk)
             marker = pending.request_marker(sp)
             if marker is not None:  # the API server still compiles it: take its automaton, not a compile
                 if pending.wait_for_marker(*marker, pending.marker_deadline_s()) == "refused":

@@ -247,8 +247,8 @@ def check_in_process(kind: str, spec: Any, ws: str | None, options: Any, model_c
     """
     budget_s = _compile_budget()
     try:
-        regex = constraint_to_regex(kind, spec, ws)
         ctx = _context.get_tokenizer_context(model_config)
+        regex = constraint_to_regex(kind, spec, ws, disk=ctx.disk)
         res = ctx.compile(regex, options, budget_s)
     except (UnsupportedSchemaError, CompileBudgetError) as e:
         return e
