@@ -236,22 +236,20 @@ def byte_dfa_table(cdfa: CharDFA, *, max_states: int = 200_000, deadline: float 
     nxt = nc
     for g, sts, tlist in by_gadget.values():
         n = len(sts)
-        n_int = g.shape[0] - 1
-        ids = np.empty((n, g.shape[0]), dtype=np.int64)
-        ids[:, 0] = sts
-        if n_int:
-            ids[:, 1:] = nxt + np.arange(n * n_int, dtype=np.int64).reshape(n, n_int)
-        nxt += n * n_int
+        ng = g.shape[0]
         n_exit = max((len(t) for t in tlist), default=0)
-        tg = np.full((n, max(n_exit, 1)), -1, dtype=np.int64)
+        # one lookup row per character state: its gadget's states (ids), its exit targets, then -1; the
+        # gadget's table, mapped into that row (internal j -> j, exit e -> ng + e, reject -> the last),
+        # expands all of them in one gather
+        lut = np.full((n, ng + n_exit + 1), -1, dtype=np.int32)
+        lut[:, 0] = sts
+        if ng > 1:
+            lut[:, 1:ng] = nxt + np.arange(n * (ng - 1), dtype=np.int32).reshape(n, ng - 1)
+        nxt += n * (ng - 1)
         for i, t in enumerate(tlist):
-            tg[i, : len(t)] = t
-        gi = g.astype(np.int64)[None, :, :]  # [1, g, 256]
-        internal = np.take_along_axis(ids[:, :, None], np.maximum(gi, 0).repeat(n, axis=0), axis=1) if n_int else None
-        ex = np.clip(-2 - gi, 0, tg.shape[1] - 1)
-        exits = np.take_along_axis(tg[:, :, None], ex.reshape(1, -1, 1).repeat(n, axis=0), axis=1).reshape(n, g.shape[0], 256)
-        out = np.where(gi >= 0, internal if internal is not None else -1, np.where(gi <= -2, exits, -1))
-        table[ids.reshape(-1)] = out.reshape(-1, 256)
+            lut[i, ng : ng + len(t)] = t
+        col = np.where(g >= 0, g, np.where(g <= -2, ng - 2 - g, ng + n_exit))  # [ng, 256]
+        table[lut[:, :ng].reshape(-1)] = lut[:, col].reshape(n * ng, 256)
     final = np.zeros(total, dtype=bool)
     final[:nc] = np.asarray(cdfa.final, dtype=bool)
     return ByteDFA(table=table, final=final, char_entry=np.arange(nc, dtype=np.int32))
