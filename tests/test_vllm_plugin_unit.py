@@ -1097,25 +1097,40 @@ def test_first_sample_in_the_step_waits_for_the_grammar_or_drops_the_sample(fake
     assert Scheduler._reserve_prefill_lookahead(sched, bad, 49, 1) == 0 and sched.grammar_compile_error_reqs == {"f2"}
 
 
-def test_step_clock_waits_a_share_of_the_shortest_recent_step_of_as_many_tokens():
+def test_step_clock_waits_a_share_of_a_lower_bound_of_the_step_time():
     from vllm_fst_backend.vllm import pending
 
     clock = pending.StepClock(n=4, share=0.5, floor_s=0.001, cap_s=0.2, default_s=0.02)
     assert clock.wait_s(100) == 0.02
-    clock.steps.extend([(8, 0.03), (400, 0.10), (8, 0.02), (300, 0.08)])
+    for n, sec in [(8, 0.03), (400, 0.10), (8, 0.02), (300, 0.08)]:
+        clock.record(n, sec)
     assert clock.wait_s(8) == pytest.approx(0.01)  # every step computed at least half as many tokens
     assert clock.wait_s(500) == pytest.approx(0.04)  # only the 400- and 300-token steps compare: 0.08
-    assert clock.wait_s(2000) == pytest.approx(0.01)  # none computed half as many: the shortest of all
-    clock.steps.extend([(8, 1.0), (8, 2.0), (8, 3.0), (8, 4.0)])  # only the last n count, capped
+    # none computed half as many: the fastest step of the largest smaller size class (256-511: 0.08)
+    assert clock.wait_s(2000) == pytest.approx(0.04)
+    for sec in (1.0, 2.0, 3.0, 4.0):  # only the last n count, capped
+        clock.record(8, sec)
     assert clock.wait_s(8) == pytest.approx(0.2)
-    clock.steps.append((8, 0.0))
+    clock.record(8, 0.0)
     assert clock.wait_s(8) == pytest.approx(0.001)
     clock.start(16)
     time.sleep(0.01)
     clock.stop()
     assert clock.steps[-1][0] == 16 and clock.steps[-1][1] >= 0.009
     clock.stop()  # no start: nothing recorded
-    assert len(clock.steps) == 4
+    clock.start(0)
+    clock.stop()  # a step without tokens (no forward pass): not recorded
+    assert len(clock.steps) == 4 and clock.steps[-1][0] == 16
+    # a burst after a quiet spell: the recent steps are single-token decodes of ~19 ms, and a 2,048-token
+    # step of the first prefill waits about as long as the earlier burst's 689-token step took (0.46 s),
+    # not 0.9 x 2 ms (a step without tokens) as when only the recent steps counted (a server log)
+    burst = pending.StepClock()
+    burst.record(689, 0.464)
+    burst.record(0, 0.002)
+    for _ in range(40):
+        burst.record(1, 0.019)
+    assert burst.wait_s(2048) == pytest.approx(0.9 * 0.464)
+    assert burst.wait_s(1) == pytest.approx(0.9 * 0.019)
 
 
 def test_bench_tools_required_schema_is_vllms():

@@ -335,15 +335,25 @@ def first_sample_enabled() -> bool:
 class StepClock:
     """How long the engine core may wait for pending grammars inside a step without delaying it: the
     scheduler asks for the step's bitmask right after it has handed the step to the model, so a wait
-    shorter than the model's forward pass costs nothing. Estimated from the last ``n`` steps (their
-    scheduled tokens and the time from that call to their output): ``share`` × the shortest recent step
-    that computed at least half as many tokens as this one (a step computing more tokens does not take
-    less time; a step with a whole prompt to prefill may wait longer than a decode step), else × the
-    shortest recent step; within ``[floor_s, cap_s]``; ``default_s`` before any step was timed."""
+    shorter than the model's forward pass costs nothing. The wait is ``share`` × an estimate of the
+    step's time from the steps timed before (their scheduled tokens and the time from that call to their
+    output), within ``[floor_s, cap_s]``; ``default_s`` before any step was timed. The estimate for a step
+    of N tokens is the larger of
+      - the shortest of the last ``n`` steps that computed at least N/2 tokens (a step with a whole prompt
+        to prefill may wait longer than a decode step), and
+      - for the size classes wholly below N (``n.bit_length()``: [2^(k-1), 2^k) tokens), the fastest of the
+        last ``per_class`` steps of each, the largest of those: a step computing more tokens does not take
+        less time. This one remembers the size of earlier bursts: the first prefill of a burst after a
+        quiet spell (recent steps all single-token decodes) still waits about as long as the last
+        burst's steps took, where the recent steps alone gave a few ms and the grammars compiled meanwhile
+        came one step late (docs/architecture.md, "First sample in the step").
+    Steps that computed no token are not recorded (no forward pass)."""
 
-    def __init__(self, n: int = 32, share: float = 0.9, floor_s: float = 0.001, cap_s: float = 0.5,
-                 default_s: float = 0.02):
+    def __init__(self, n: int = 32, share: float = 0.9, floor_s: float = 0.001, cap_s: float = 1.0,
+                 default_s: float = 0.02, per_class: int = 8):
         self.steps: deque = deque(maxlen=n)  # (scheduled tokens, seconds)
+        self.by_class: dict[int, deque] = {}  # n.bit_length() -> the last per_class steps' seconds
+        self.per_class = per_class
         self.share, self.floor_s, self.cap_s, self.default_s = share, floor_s, cap_s, default_s
         self._started: tuple[int, float] | None = None
 
@@ -355,16 +365,25 @@ class StepClock:
         """The step's output arrived: record it."""
         if self._started is not None:
             n, t0 = self._started
-            self.steps.append((n, time.perf_counter() - t0))
+            self.record(n, time.perf_counter() - t0)
             self._started = None
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        """A step of ``num_tokens`` tokens took ``seconds`` (nothing for 0 tokens)."""
+        if num_tokens <= 0:
+            return
+        self.steps.append((num_tokens, seconds))
+        self.by_class.setdefault(num_tokens.bit_length(), deque(maxlen=self.per_class)).append(seconds)
 
     def wait_s(self, num_tokens: int) -> float:
         """Seconds a grammar may be waited for in a step computing ``num_tokens`` tokens (class docstring)."""
         if not self.steps:
             return self.default_s
         alike = [s for n, s in self.steps if 2 * n >= num_tokens]
-        best = min(alike) if alike else min(s for _, s in self.steps)
-        return min(max(self.share * best, self.floor_s), self.cap_s)
+        k = max(int(num_tokens), 1).bit_length()
+        below = [min(ts) for c, ts in self.by_class.items() if c < k and ts]
+        est = max(min(alike) if alike else 0.0, max(below) if below else 0.0)
+        return min(max(self.share * est, self.floor_s), self.cap_s)
 
 
 def await_grammars(futures: list[Future], timeout_s: float) -> list[bool]:
