@@ -1641,7 +1641,9 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
         "`GET /health` answer while the batch ran (polled every 20 ms over its own connection by a separate client "
         "process, `HealthPoller`: a poll of the client's own event loop also waited for the streams it reads); constraint satisfied: `re.fullmatch`, or `json.loads` + `Draft202012Validator` with `FormatChecker` "
         "(outputs cut by max_tokens count as unsatisfied: column \"hit max_tokens\"); canonical: the streamed "
-        "`token_ids` (trailing EOS removed) == the tokenizer's encoding of the text. Servers run with `--enforce-eager`.",
+        "`token_ids` (trailing EOS removed) == the tokenizer's encoding of the text (an output cut by max_tokens inside a "
+        "multi-byte character: its last tokens that do not complete a character left out, as in the other workloads). "
+        "Servers run with `--enforce-eager`.",
         f"Host: {meta.get('host', '?')}. The client shares the machine with the server: speed figures are noisy.",
     ]
     if any(r.get("round") for r in rows):
