@@ -233,6 +233,10 @@ class _CharTokenizer:
     def encode(self, text, add_special_tokens=False):
         return [ord(c) for c in text]
 
+    def decode(self, ids):
+        # ids past Unicode stand for a token holding part of a multi-byte character
+        return "".join(chr(i) if i < 0x110000 else "\ufffd" for i in ids)
+
 
 def _result(text, ttft, latency, ok=True, ids=None, finish="stop", error=None):
     return {"ok": ok, "error": error, "text": text, "token_ids": [ord(c) for c in text] if ids is None else ids,
@@ -276,6 +280,13 @@ def test_serving_summary_row():
     assert x["ok"] == 3 and x["failed"] == 1 and x["errors"] == ["HTTP 400: bad regex"]
     assert x["valid"] == pytest.approx(2 / 3) and x["canonical"] == pytest.approx(2 / 3) and x["capped"] == 1
     assert len(x["bad_examples"]) == 2
+    assert x["bad_examples"][0]["canonical"] is False and x["bad_examples"][0]["token_ids"] == [1, 2]  # listed first
+    # an output cut by max_tokens inside a character is judged on its complete characters
+    cut = _result("Ro\ufffd", 0.1, 1.0, ids=[ord("R"), ord("o"), 0x110000], finish="length")
+    assert b.summarize_serving("fst", cases[:1], [cut], 1.0, {"times": [], "errors": []}, 1, _CharTokenizer(),
+                               set())["canonical"] == 1.0
+    assert b.summarize_serving("fst", cases[:1], [dict(cut, finish="stop")], 1.0, {"times": [], "errors": []}, 1,
+                               _CharTokenizer(), set())["canonical"] == 0.0
     # per-request records: the constraint, the TTFT in ms (None for a failed request)
     assert [(p["name"], p["ttft_ms"]) for p in f["per_request"]] == [
         (c.name, pytest.approx(t)) for c, t in zip(cases, (100.0, 200.0, 300.0, 400.0))]
