@@ -558,8 +558,9 @@ def test_new_constraint_prefills_while_the_api_server_compiles_it(server, tok, e
         prompt = f"Request {i} of 4. " + LONG_PREFACE + f"Give field_{i} and rank."  # no shared prefix
         if i == 1:
             return _stream_chat(server, extra, prompt)
-        if i == 3:  # the completions endpoint, two samples
-            return _completion(server, {"structured_outputs": {"json": schemas[i]}}, prompt + "\n", max_tokens=64,
+        if i == 3:  # the completions endpoint, two samples (room for a sampled remark of up to 203 characters:
+            # 64 tokens cut one off once, and a cut output has no schema to validate against)
+            return _completion(server, {"structured_outputs": {"json": schemas[i]}}, prompt + "\n", max_tokens=400,
                                temperature=1.0, n=2)
         return _chat(server, extra, prompt, max_tokens=64)
 
