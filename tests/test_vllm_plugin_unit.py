@@ -894,7 +894,7 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     mgr.grammar_init(req)
     slot = req.structured_output_request._grammar
     assert pending.is_pending(slot) and submitted == [] and COMPILE_CALLS == []
-    assert threading.get_ident() not in loads  # live marker: nothing converted or loaded on the engine's thread
+    assert threading.get_ident() not in loads  # live marker: nothing converted or loaded on the input thread
     # its first step: held back (its compile may end before the next one, then no early prefill is needed)
     assert Scheduler._handle_blocked_waiting_request(sched, req) is False and req.status == blocked
     # a request that could sample (no constraint) waits behind it: the pending one leaves it the step

@@ -124,7 +124,8 @@ def _patch_manager(manager_cls: Any = None) -> None:
                 if isinstance(self.backend, FstBackend):
                     # the API server is still compiling it: wait for its automaton (the request prefills
                     # meanwhile, _patch_scheduler) instead of compiling it a second time; its conversion
-                    # and load then run in the watcher's thread, not on this one, which steps the others
+                    # and load then run in the watcher's thread, not on this one (the engine core's input
+                    # thread), where every arriving request waits for those before it
                     grammar = _pending_grammar(self, request)
                     if grammar is None:
                         # already compiled (the API server's check stored it on the host): load it here,
