@@ -58,6 +58,17 @@ def _source_hash() -> str:
     return _SOURCE_HASH
 
 
+def _stem(*parts: str, tail: str = "") -> str:
+    """A file stem: SHA-256 of (format version, the compiler's source code, ``parts`` each ended by a NUL,
+    ``tail``), 40 hex digits."""
+    h = hashlib.sha256()
+    for part in (str(FORMAT_VERSION), _source_hash(), *parts):
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    h.update(tail.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:40]
+
+
 def default_cache_dir() -> Path:
     """``$VLLM_FST_DISK_CACHE_DIR``, else ``/dev/shm/vllm_fst_cache-<uid>`` (memory-backed, shared by the
     host's processes) when ``/dev/shm`` is writable, else ``<tmp>/vllm_fst_cache-<uid>``."""
@@ -147,12 +158,7 @@ class DiskCache:
 
     def key(self, regex: str, options: Any, artifacts: Any) -> str:
         """File stem for ``(regex, options)`` under the tokenizer of ``artifacts``."""
-        h = hashlib.sha256()
-        for part in (str(FORMAT_VERSION), _source_hash(), str(artifacts.fingerprint), repr(options)):
-            h.update(part.encode())
-            h.update(b"\0")
-        h.update(regex.encode("utf-8", "surrogatepass"))
-        return h.hexdigest()[:40]
+        return _stem(str(artifacts.fingerprint), repr(options), tail=regex)
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.pkl"
@@ -162,11 +168,7 @@ class DiskCache:
     def regex_key(self, *parts: str) -> str:
         """File stem of a constraint's regex: ``parts`` name the conversion's inputs (kind, spec text,
         whitespace pattern, limits, ...); the compiler's source code is part of the key."""
-        h = hashlib.sha256()
-        for part in (str(FORMAT_VERSION), _source_hash(), "regex", *parts):
-            h.update(part.encode("utf-8", "surrogatepass"))
-            h.update(b"\0")
-        return h.hexdigest()[:40]
+        return _stem("regex", *parts)
 
     def load_regex(self, rkey: str) -> str | None:
         """The regex stored under ``rkey`` (:meth:`store_regex`), else None."""
@@ -184,16 +186,27 @@ class DiskCache:
     def store_regex(self, rkey: str, regex: str) -> None:
         """Store the regex a constraint converted to under ``rkey`` (atomically; counted in the byte
         budget like the automata)."""
+        self._write(self.directory / f"{rkey}.rx", regex.encode("utf-8", "surrogatepass"))
+
+    def _write(self, path: Path, data: bytes) -> bool:
+        """Write ``data`` to ``path`` in the directory atomically (temporary file + rename); False when the
+        directory is not ours or on an OS error (counted in ``errors``)."""
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             if not self._dir_ok():
-                return
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".rx")
+                return False
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=path.suffix)
             with os.fdopen(fd, "wb") as fh:
-                fh.write(regex.encode("utf-8", "surrogatepass"))
-            os.replace(tmp, self.directory / f"{rkey}.rx")
+                fh.write(data)
+            os.replace(tmp, path)
         except OSError:
             self.errors += 1
+            return False
+        return True
+
+    def _files(self, prefix: str = "") -> list[Path]:
+        """The stored files (automata ``.pkl``, regexes ``.rx``) whose names start with ``prefix``."""
+        return [p for ext in (".pkl", ".rx") for p in self.directory.glob(f"{prefix}*{ext}")]
 
     def _dir_ok(self) -> bool:
         try:
@@ -244,18 +257,7 @@ class DiskCache:
         except Exception:
             self.errors += 1
             return 0
-        if len(data) > self.max_bytes:
-            return 0
-        try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not self._dir_ok():
-                return 0
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".pkl")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, self._path(key))
-        except OSError:
-            self.errors += 1
+        if len(data) > self.max_bytes or not self._write(self._path(key), data):
             return 0
         self._evict()
         return len(data)
@@ -263,7 +265,7 @@ class DiskCache:
     def _evict(self) -> None:
         try:
             entries = []
-            for p in [*self.directory.glob("*.pkl"), *self.directory.glob("*.rx")]:
+            for p in self._files():
                 try:
                     st = p.stat()
                 except FileNotFoundError:
@@ -281,7 +283,7 @@ class DiskCache:
                 if total <= self.max_bytes:
                     break
             # leftovers of writers that died between mkstemp and rename
-            for p in [*self.directory.glob(".tmp-*.pkl"), *self.directory.glob(".tmp-*.rx")]:
+            for p in self._files(".tmp-"):
                 try:
                     if time.time() - p.stat().st_mtime > 600:
                         p.unlink()
@@ -293,7 +295,7 @@ class DiskCache:
     def nbytes(self) -> int:
         """Bytes currently stored."""
         try:
-            return sum(p.stat().st_size for pat in ("*.pkl", "*.rx") for p in self.directory.glob(pat))
+            return sum(p.stat().st_size for p in self._files())
         except OSError:
             return 0
 
