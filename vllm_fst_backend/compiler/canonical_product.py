@@ -520,6 +520,7 @@ class _Analysis:
         self.spec_toks = np.flatnonzero(self.special & (tg >= 0)).astype(np.int64)
         self.spec_group = tg[self.spec_toks]
         self._sp_e = None  # (special_prep's arrays: built on first use, _special_order)
+        self._stacks: dict = {}  # _pairs_clear: distinct successor tags (bytes) -> their tables stacked
         self._sp_calls = 0
         # per-state results
         S = M.num_states
@@ -537,7 +538,7 @@ class _Analysis:
         self._cache: dict = {}
         self._inner_memo: dict = {}
         self._bstatic: dict = {}
-        self._cls_ids: dict = {}  # mid (bool) -> np.flatnonzero of H.cls_mid / H.cls_boundary
+        self._cls_ids: dict = {}  # mid (bool) -> per σ, the ids of H.cls_mid / H.cls_boundary in sigma_cls[σ]
         self._xk = None  # (verdict cache, group hashes, per-state entering-class sums, tag multipliers)
         self._xstatic = None  # (per state: the part of its content key made once, _xkey_init)
         self._tag_of_obj: dict = {}  # id(table) -> tag (_set)
@@ -608,7 +609,7 @@ class _Analysis:
         return best
 
     # memo tables of the analysis itself (rebuilt on demand): not part of the pickled state
-    _MEMOS = ("_cache", "_row_cache", "_btok", "_grows", "_tok_cache", "_inner_memo", "_bstatic", "_cls_ids")
+    _MEMOS = ("_cache", "_row_cache", "_btok", "_grows", "_tok_cache", "_inner_memo", "_bstatic", "_cls_ids", "_stacks")
 
     def __getstate__(self) -> dict:
         """Pickled state (``compiler/persist.py``): without the analysis' memo tables, and the bad tables
@@ -792,14 +793,26 @@ class _Analysis:
         offsets into ``int64`` est indices, ascending), and the tokens' static attributes in that order
         (first lookahead class, class, opens a byte-fallback character, whitespace-final index, context
         index)."""
-        est = np.argsort(self.H.est_ban[self.spec_toks], kind="stable")
+        H = self.H
+        # the order of all the tokenizer's special tokens by (estimated ban count, id), once per helper;
+        # this analysis' ones (those of its groups) keep it
+        order = getattr(H, "_fst_special_order", None)
+        if order is None:
+            every = np.flatnonzero(self.special).astype(np.int64)
+            order = H._fst_special_order = every[np.argsort(H.est_ban[every], kind="stable")]
+        tok_e = order[self.M.token_group[order] >= 0]
+        pos = np.searchsorted(self.spec_toks, tok_e)  # (spec_toks: sorted ids) its index in spec_toks
+        est = pos.astype(np.int64)
         G = max(self.G, 1)
         grp_e = self.spec_group[est].astype(np.int64)
-        grp_x = np.argsort(grp_e, kind="stable").astype(np.int64)  # each group's tokens, ascending est index
+        # each group's tokens, ascending est index (a stable radix sort where the group ids fit 16 bits)
+        narrow = grp_e.astype(np.uint16) if G <= 1 << 16 else grp_e
+        grp_x = np.argsort(narrow, kind="stable").astype(np.int64)
         grp_ptr = np.zeros(G + 1, np.int64)
         np.cumsum(np.bincount(grp_e, minlength=G), out=grp_ptr[1:])
-        H, tok_e = self.H, self.spec_toks[est]
-        return (tok_e, grp_e, np.argsort(est).astype(np.int64), np.zeros(G, np.int64), np.zeros(G, np.int64),
+        id_to_e = np.empty(len(est), np.int64)  # the inverse permutation of est
+        id_to_e[est] = np.arange(len(est), dtype=np.int64)
+        return (tok_e, grp_e, id_to_e, np.zeros(G, np.int64), np.zeros(G, np.int64),
                 grp_ptr, grp_x, np.ascontiguousarray(H.la_first[tok_e]), np.ascontiguousarray(H.tclass[tok_e]),
                 (H.tok_bf_byte[tok_e] >= 0) & (self.bf_start[tok_e] >= 0), np.ascontiguousarray(H.j_of[tok_e]),
                 np.ascontiguousarray(H.ctx_j[tok_e]))
@@ -862,10 +875,18 @@ class _Analysis:
             if (tz == tz[0]).all():
                 tabs = self._tag_full[int(tz[0])][None]
                 tab_of[nz] = 0
-            else:
-                tu, inv = np.unique(tz, return_inverse=True)
-                tabs = np.stack([self._tag_full[t] for t in tu.tolist()])
-                tab_of[nz] = np.asarray(inv).reshape(-1)
+            else:  # (np.unique without the sort: tags are small ints)
+                present = np.zeros(int(tz.max()) + 1, dtype=bool)
+                present[tz] = True
+                tu = np.flatnonzero(present)
+                remap = np.cumsum(present) - 1
+                key = tu.tobytes()
+                tabs = self._stacks.get(key)
+                if tabs is None:  # (states of one compile often have the same successor tags)
+                    if len(self._stacks) >= 64:
+                        self._stacks.clear()
+                    tabs = self._stacks[key] = np.stack([self._tag_full[t] for t in tu.tolist()])
+                tab_of[nz] = remap[tz]
         else:
             tabs = np.zeros((1, 1, 1), dtype=bool)
         sub = np.zeros(len(live), dtype=bool)
@@ -1287,13 +1308,17 @@ class _Analysis:
             if got is not False:
                 return got
         # the candidate classes, as sorted ids: those that can be the last token's class here
-        base = H.cls_mid if self.mid[s] else H.cls_boundary
-        if ent is None:
-            idx0 = self._cls_ids.get(bool(self.mid[s]))
-            if idx0 is None:
-                idx0 = self._cls_ids[bool(self.mid[s])] = np.flatnonzero(base)
+        mid = bool(self.mid[s])
+        base = H.cls_mid if mid else H.cls_boundary
+        if ent is None:  # every class: the lists per σ memoized (Tekken: ~45k classes, two gathers each)
+            per_sig = self._cls_ids.get(mid)
+            if per_sig is None:
+                all_ids = np.flatnonzero(base)
+                per_sig = self._cls_ids[mid] = [all_ids] + [all_ids[H.sigma_cls[i][all_ids]]
+                                                            for i in range(1, self.nsig)]
         else:
             idx0 = ent[base[ent]]
+            per_sig = None
         # witness candidates: the best token of each (edge group, lookahead class) whose successor
         # (target state, its class, ALL) is good
         if self.best is None:
@@ -1310,9 +1335,12 @@ class _Analysis:
                 continue  # no whitespace-final token enters s: σ != ALL never occurs here
             # a product state (t, k, σ) with σ != ALL is only ever entered by a whitespace-final token,
             # so k is the class of one: other classes are irrelevant there (left good)
-            # (σ_i, k) pairs that occur; idx0 may be memoized (_cls_ids): every step below reads idx and
+            # (σ_i, k) pairs that occur; idx may be memoized (_cls_ids): every step below reads idx and
             # makes new arrays, none writes into it
-            idx = idx0 if i == 0 else idx0[H.sigma_cls[i][idx0]]
+            if per_sig is not None:
+                idx = per_sig[i]
+            else:
+                idx = idx0 if i == 0 else idx0[H.sigma_cls[i][idx0]]
             if only is not None:
                 idx = idx[only[i, idx]]
             if not len(idx):
