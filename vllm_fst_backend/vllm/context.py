@@ -408,12 +408,15 @@ class InProcessChecker:
 
     def check(self, kind: str, spec: Any, *, whitespace_pattern: str | None = None,
               options: FstRequestOptions | None = None, budget_s: float | None = None) -> str:
-        """The constraint's regex, once it compiled. Raises the conversion's / compiler's errors."""
+        """The constraint's regex, once it compiled (budget ``budget_s``, default the validation
+        budget). Raises the conversion's / compiler's errors."""
         from vllm_fst_backend.compiler.constraints import constraint_to_regex
 
         ctx = get_tokenizer_context(self.model_config)
         regex = constraint_to_regex(kind, spec, whitespace_pattern, disk=ctx.disk)
-        ctx.compile(regex, options or FstRequestOptions(), budget_s)
+        res = ctx.compile(regex, options or FstRequestOptions(), budget_s)
+        if not res.cache_hit:
+            logger.info("fst: validated %s constraint: compiled in %.1f ms", kind.lower(), res.ms)
         return regex
 
     async def acheck(self, kind: str, spec: Any, **kw: Any) -> str:

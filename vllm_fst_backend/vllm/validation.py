@@ -37,7 +37,7 @@ from vllm_fst_backend.errors import (
 from . import BACKEND_NAME
 from . import context as _context
 from . import fallback, pending
-from .constraints import InvalidConstraintError, check_input_limits, constraint_to_regex, params_kind
+from .constraints import InvalidConstraintError, check_input_limits, params_kind
 from .metrics import logger, metric_inc
 from .options import env_flag, fst_keys, parse_request_options
 
@@ -247,16 +247,13 @@ def check_in_process(kind: str, spec: Any, ws: str | None, options: Any, model_c
     """
     budget_s = _compile_budget()
     try:
-        ctx = _context.get_tokenizer_context(model_config)
-        regex = constraint_to_regex(kind, spec, ws, disk=ctx.disk)
-        res = ctx.compile(regex, options, budget_s)
+        _context.InProcessChecker(model_config).check(kind, spec, whitespace_pattern=ws, options=options,
+                                                      budget_s=budget_s)
     except (UnsupportedSchemaError, CompileBudgetError) as e:
         return e
     except (FstBackendError, ImportError) as e:
         _raise_compile_error(kind, e)
     metric_inc("validated")
-    if not res.cache_hit:
-        logger.info("fst: validated %s constraint: compiled in %.1f ms", kind.lower(), res.ms)
     return None
 
 
