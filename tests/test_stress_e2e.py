@@ -86,7 +86,11 @@ CASES = [
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
     artifacts = request.getfixturevalue("built_artifacts")("smollm2", canonical=True)
-    with fst_server(artifacts, tmp_path_factory.mktemp("vllm_stress"), env={"VLLM_FST_FALLBACK": "none"}) as srv:
+    # VLLM_FST_OVERLAP_QUEUED=1: every request of a burst of new constraints enters the engine at once, also
+    # those whose compiles wait behind others (by default they enter once compiled), so that first samples
+    # come late here and the drop path runs (test_new_constraints_are_sampled_in_the_step_...)
+    env = {"VLLM_FST_FALLBACK": "none", "VLLM_FST_OVERLAP_QUEUED": "1"}
+    with fst_server(artifacts, tmp_path_factory.mktemp("vllm_stress"), env=env) as srv:
         yield srv
 
 

@@ -548,8 +548,9 @@ def test_new_constraint_prefills_while_the_api_server_compiles_it(server, tok, e
     _chat(server, {"structured_outputs": {"regex": "(yes|no)"}}, "Ready?")  # the request path warmed up
     before = _metrics(server)
     # bounded strings unroll into automaton states: each schema compiles for tens of ms, and the four
-    # compiles queue in the API server's compile processes, so the later requests reach the engine long
-    # before their automata exist (a request whose compile ends before its prompt is rendered does not
+    # compiles queue in the API server's compile processes; the requests whose compiles start at once or
+    # right after those running enter the engine long before their automata exist (the others once
+    # compiled: pending.should_overlap; a request whose compile ends before its prompt is rendered does not
     # overlap anything)
     schemas = heavy_schemas("field", 4, text_len=200)
 

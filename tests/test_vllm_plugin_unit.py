@@ -1133,6 +1133,106 @@ def test_step_clock_waits_a_share_of_a_lower_bound_of_the_step_time():
     assert burst.wait_s(1) == pytest.approx(0.9 * 0.019)
 
 
+
+class _Markers:
+    """Stand-in of ``pending.PendingMarkers``: records begin / end."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def begin(self, key):
+        self.events.append(("begin", key))
+        return "token-" + key
+
+    def end(self, key, token, refused=False):
+        self.events.append(("end", key, refused))
+
+
+def _burst(monkeypatch, queued: bool, fail: str = "") -> tuple[list, list]:
+    """Four requests through the serving handler at once (one compile slot): three new JSON schemas and
+    a quick regex; each compile check ends when the test releases it. Returns (events, responses)."""
+    import asyncio
+
+    from vllm_fst_backend.compiler import service
+    from vllm_fst_backend.vllm import pending, validation
+
+    monkeypatch.setattr(service, "default_parallel", lambda: 1)
+    monkeypatch.delenv("VLLM_FST_OVERLAP_COMPILE", raising=False)
+    monkeypatch.setenv("VLLM_FST_OVERLAP_QUEUED", "1" if queued else "0")
+    monkeypatch.setitem(context.SERVED, "backend", "fst")
+    events: list = []
+    release: dict = {}
+    monkeypatch.setattr(pending, "markers", lambda: _Markers(events))
+    monkeypatch.setattr(validation, "plan_precheck",
+                        lambda r: validation.PrecheckPlan(r["key"], r["kind"], r["spec"], None, None))
+
+    async def run_precheck(plan, model_config):
+        events.append(("check", plan.key, pending.CHECKS.in_flight))
+        await release[plan.key].wait()
+        if plan.key == fail:
+            raise CompileBudgetError("over the budget", None)
+        return True
+
+    monkeypatch.setattr(validation, "run_precheck", run_precheck)
+
+    async def orig(self, request, raw_request=None):
+        events.append(("engine", request["key"]))
+        return "response " + request["key"]
+
+    handler = patches._precheck_handler(orig)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 40}}}
+    reqs = [{"key": f"s{i}", "kind": "JSON", "spec": schema} for i in range(3)]
+    reqs.append({"key": "quick", "kind": "REGEX", "spec": "(yes|no)"})
+
+    async def main():
+        for r in reqs:
+            release[r["key"]] = asyncio.Event()
+        tasks = [asyncio.ensure_future(handler(types.SimpleNamespace(model_config=None), r)) for r in reqs]
+        await asyncio.sleep(0.01)
+        events.append("released")
+        for r in reqs:
+            release[r["key"]].set()
+            await asyncio.sleep(0.01)
+        out = []
+        for t in tasks:
+            try:
+                out.append(await t)
+            except CompileBudgetError as e:
+                out.append(e)
+        assert pending.CHECKS.in_flight == 0  # every check counted out, the failed one too
+        return out
+
+    return events, asyncio.run(main())
+
+
+def test_a_burst_overlaps_only_the_compiles_that_start_at_once(monkeypatch):
+    """The serving handler lets a request with a new constraint into the engine while its compile check
+    runs only when that compile starts at once or right after those running (pending.should_overlap):
+    with one compile slot, the first two requests of a burst of new schemas overlap; the third, whose
+    compile waits behind two, enters the engine once compiled (in a burst on 2 CPUs, entering at once cost
+    such requests a late first sample and a step); a quick regex is never overlapped nor counted.
+    VLLM_FST_OVERLAP_QUEUED=1 overlaps them all. A check that fails is counted out too."""
+    events, out = _burst(monkeypatch, queued=False)
+    before = events[: events.index("released")]
+    for k in ("s0", "s1"):  # in the engine while it compiles
+        assert ("begin", k) in before and ("engine", k) in before
+    for k in ("s2", "quick"):
+        assert ("begin", k) not in events and ("engine", k) not in before  # the check first
+    checks = {e[1]: e[2] for e in before if e[0] == "check"}
+    assert checks == {"s0": 1, "s1": 2, "s2": 3, "quick": 3}  # the quick regex is not counted
+    assert out == ["response s0", "response s1", "response s2", "response quick"]
+
+    events, out = _burst(monkeypatch, queued=True)
+    before = events[: events.index("released")]
+    assert [e[1] for e in before if e[0] == "begin"] == ["s0", "s1", "s2"]
+    assert {e[1] for e in before if e[0] == "engine"} == {"s0", "s1", "s2"}
+    assert out == ["response s0", "response s1", "response s2", "response quick"]
+
+    events, out = _burst(monkeypatch, queued=False, fail="s2")  # over the budget, refused
+    assert isinstance(out[2], CompileBudgetError) and out[3] == "response quick"
+    events, out = _burst(monkeypatch, queued=False, fail="s1")  # an overlapped one: its request cancelled
+    assert isinstance(out[1], CompileBudgetError) and ("end", "s1", True) in events
+
 def test_bench_tools_required_schema_is_vllms():
     """``scripts/bench_compile_serving.tools_required_schema`` (the benchmark's ``tool_choice="required"``
     constraints) is the schema vLLM itself builds for such a request."""

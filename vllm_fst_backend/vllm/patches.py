@@ -4,6 +4,7 @@ undoes them). Why each exists: ``docs/vllm-integration.md``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 from typing import Any, Callable
@@ -336,55 +337,63 @@ def legacy_mapping_active() -> bool:
 def _patch_serving_precheck() -> None:
     """Wrap ``OpenAIServingChat.create_chat_completion`` and ``OpenAIServingCompletion.create_completion``
     (vLLM 0.32; async, before the request is rendered and enters the engine) with the compile check
-    (:func:`validation.run_precheck`, out of the event loop); its failure is vLLM's own 400
-    ``ErrorResponse``, also for streamed requests, whose engine-side errors would arrive after the 200
-    headers. A new constraint's request enters the engine while its check runs (``pending.py``): the
-    response (a streamed request's first chunk) is held until the check's verdict; a refused check
-    cancels the request (vLLM aborts it) and answers 400, or sends it again to the fallback."""
+    (:func:`_precheck_handler`)."""
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    _wrap(OpenAIServingChat, "create_chat_completion", _precheck_handler)
+    _wrap(OpenAIServingCompletion, "create_completion", _precheck_handler)
+
+
+def _precheck_handler(orig: Callable) -> Callable:
+    """The serving handler ``orig`` with the compile check (:func:`validation.run_precheck`, out of the
+    event loop) before it; the check's failure is vLLM's own 400 ``ErrorResponse``, also for streamed
+    requests, whose engine-side errors would arrive after the 200 headers. A new constraint's request
+    enters the engine while its check runs when :func:`pending.should_overlap` says so (its compile starts
+    at once): the response (a streamed request's first chunk) is held until the check's verdict; a refused
+    check cancels the request (vLLM aborts it) and answers 400, or sends it again to the fallback. Else
+    (a quick constraint, or one whose compile waits behind others) the check first, then the request."""
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     from vllm.exceptions import GracefulHTTPError, VLLMClientError
 
-    def make(orig):
-        async def handler(self, request, raw_request=None, *args, **kwargs):
-            def call():
-                return orig(self, request, raw_request, *args, **kwargs)
+    async def handler(self, request, raw_request=None, *args, **kwargs):
+        def call():
+            return orig(self, request, raw_request, *args, **kwargs)
 
-            if _context.SERVED.get("backend") != BACKEND_NAME:
-                return await call()
-            plan = validation.plan_precheck(request)
-            if plan is None:
-                return await call()
-            overlap = pending.overlap_enabled() and pending.worth_overlapping(plan.kind, plan.spec)
-            markers = pending.markers() if overlap else None
-            token = markers.begin(plan.key) if markers is not None else None
-            if token is None:  # no overlap: the check first, then the request
-                try:
-                    await validation.run_precheck(plan, self.model_config)
-                except (VLLMClientError, GracefulHTTPError) as e:
-                    return create_error_response(e)
-                return await call()
-            run = asyncio.ensure_future(pending.first_output(call()))
+        if _context.SERVED.get("backend") != BACKEND_NAME:
+            return await call()
+        plan = validation.plan_precheck(request)
+        if plan is None:
+            return await call()
+        counted = pending.worth_overlapping(plan.kind, plan.spec)  # (not a quick one: CHECKS counts it)
+        overlap = pending.should_overlap(plan.kind, plan.spec)
+        markers = pending.markers() if overlap else None
+        token = markers.begin(plan.key) if markers is not None else None
+        if token is None:  # no overlap: the check first, then the request
             try:
+                with pending.CHECKS.held() if counted else contextlib.nullcontext():
+                    await validation.run_precheck(plan, self.model_config)
+            except (VLLMClientError, GracefulHTTPError) as e:
+                return create_error_response(e)
+            return await call()
+        run = asyncio.ensure_future(pending.first_output(call()))
+        try:
+            with pending.CHECKS.held():
                 served = await validation.run_precheck(plan, self.model_config)
-            except BaseException as e:
-                markers.end(plan.key, token, refused=True)
-                await pending.cancel_output(run)
-                if isinstance(e, (VLLMClientError, GracefulHTTPError)):
-                    return create_error_response(e)
-                raise
-            markers.end(plan.key, token, refused=not served)
-            if not served:  # unsupported or over the budget: the fallback serves it (the sync hook routes it)
-                await pending.cancel_output(run)
-                validation.reset_route(request)
-                return await call()
-            return pending.joined(await run)
+        except BaseException as e:
+            markers.end(plan.key, token, refused=True)
+            await pending.cancel_output(run)
+            if isinstance(e, (VLLMClientError, GracefulHTTPError)):
+                return create_error_response(e)
+            raise
+        markers.end(plan.key, token, refused=not served)
+        if not served:  # unsupported or over the budget: the fallback serves it (the sync hook routes it)
+            await pending.cancel_output(run)
+            validation.reset_route(request)
+            return await call()
+        return pending.joined(await run)
 
-        return handler
-
-    _wrap(OpenAIServingChat, "create_chat_completion", make)
-    _wrap(OpenAIServingCompletion, "create_completion", make)
+    return handler
 
 
 def _patch_scheduler() -> None:

@@ -21,6 +21,7 @@ compiled; the prompt's tokens do not depend on the grammar, only the sampled one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import threading
@@ -406,6 +407,56 @@ def await_grammars(futures: list[Future], timeout_s: float) -> list[bool]:
             ok = not isinstance(f.result(), BaseException)
         out.append(ok)
     return out
+
+
+class CheckQueue:
+    """The compile checks of this API server that are not quick (:func:`worth_overlapping`) and have not
+    ended, counted on its event loop (the handlers that start and end them run there: no lock), so that a
+    request of a burst can see that its compile will wait behind others before any of them has reached
+    a compile process."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+    @contextlib.contextmanager
+    def held(self):
+        """Count one check while the ``with`` block runs."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    def starts_soon(self) -> bool:
+        """Whether a new check would start at once or right after the compiles running now: fewer checks
+        in flight than twice the compiles the compile processes run at once
+        (:func:`compiler.service.default_parallel`)."""
+        from vllm_fst_backend.compiler.service import default_parallel
+
+        return self.in_flight < 2 * default_parallel()
+
+
+CHECKS = CheckQueue()
+
+
+def overlap_queued() -> bool:
+    """``$VLLM_FST_OVERLAP_QUEUED`` (default off): also a request whose compile waits behind others
+    enters the engine at once (:func:`should_overlap`)."""
+    return env_flag("VLLM_FST_OVERLAP_QUEUED", False)
+
+
+def should_overlap(kind: str, spec: Any) -> bool:
+    """Whether a request with a new constraint enters the engine while its compile check runs: overlap on
+    (:func:`overlap_enabled`), a constraint worth it (:func:`worth_overlapping`), and its compile starting
+    at once or after those running now (:meth:`CheckQueue.starts_soon`) unless :func:`overlap_queued`. A request whose compile waits
+    behind others (a burst of new constraints) enters the engine once it has compiled: entered at once,
+    it would be prefilled, in arrival order, while the grammars come in shortest-first order, and a request
+    prefilled before its grammar came loses its first sample and takes one more step (on 2 CPUs, up to a
+    1.4 s step of 2,048 prompt tokens); those prefills also take CPU from the compiles. Measured on the
+    serving workload (docs/architecture.md, "Overlap of compile and prefill")."""
+    if not (overlap_enabled() and worth_overlapping(kind, spec)):
+        return False
+    return overlap_queued() or CHECKS.starts_soon()
 
 
 def worth_overlapping(kind: str, spec: Any) -> bool:
