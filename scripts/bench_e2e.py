@@ -77,6 +77,10 @@ EXTRA_SERVING_BACKENDS = {
     "fst-sequential": (("VLLM_FST_OVERLAP_COMPILE", "0"),
                        "a request with a new constraint enters the engine only once the API server's compile check "
                        "has ended (the order before the overlap of compile and prefill, docs/architecture.md)"),
+    "fst-overlap-all": (("VLLM_FST_OVERLAP_QUEUED", "1"),
+                        "every request with a new constraint enters the engine while its compile check runs, also "
+                        "one whose compile waits behind others (the default before the queue rule of "
+                        "docs/architecture.md, \"Overlap of compile and prefill\")"),
     "fst-early-prefill": (("VLLM_FST_FIRST_SAMPLE", "0"),
                           "a request whose constraint is still compiling prefills all of its prompt but the last "
                           "token, which waits for the grammar and then takes a step of its own (the way before the "

@@ -414,9 +414,9 @@ def test_fst_sequential_is_fst_without_the_overlap_and_serving_only():
     b = _bench()
     cmd = b.server_command("fst-sequential", 8790, 8, [])
     assert cmd[cmd.index("--structured-outputs-config.backend") + 1] == "fst" and "--speculative-config" not in cmd
-    assert b.parse_args(["--workloads", "serving", "--backends", "fst,fst-sequential,fst-early-prefill"]).backends == [
-        "fst", "fst-sequential", "fst-early-prefill"]
-    for extra in ("fst-sequential", "fst-early-prefill"):
+    assert b.parse_args(["--workloads", "serving", "--backends", "fst,fst-sequential,fst-early-prefill,fst-overlap-all"]
+                        ).backends == ["fst", "fst-sequential", "fst-early-prefill", "fst-overlap-all"]
+    for extra in ("fst-sequential", "fst-early-prefill", "fst-overlap-all"):
         with pytest.raises(SystemExit):
             b.parse_args(["--workloads", "mc", "--backends", extra])
 
