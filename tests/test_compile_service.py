@@ -90,6 +90,36 @@ def test_round_trip_same_automaton(smol, canonical):
         assert modes == {"explicit", "factored"}  # both representations went through the store
 
 
+
+def test_disk_cache_scans_for_eviction_once_it_wrote_a_share_of_its_budget(tmp_path, monkeypatch):
+    """A scan of the directory (it stats every stored file) runs once this process has written
+    max_bytes / EVICT_SHARE bytes since its last one, not at every store: in a long-running server a scan
+    per store put 12 ms (3,000 files) on every compile's path. The compile process stores without the
+    scan and calls maybe_evict after its reply. A scan evicts the least recently written files down to
+    the budget."""
+    import os
+    import time as _time
+
+    monkeypatch.setattr(persist, "dumps", lambda compiled: b"x" * compiled)  # an "automaton" of n bytes
+    cache = persist.DiskCache(tmp_path / "c", max_bytes=persist.DiskCache.EVICT_SHARE * 1000)
+    for i in range(9):  # 900 bytes written: not due
+        assert cache.store(f"k{i}", 100) == 100
+    assert cache.scans == 0
+    assert cache.store("k9", 100, evict=False) == 100 and cache.scans == 0  # due, but asked not to scan
+    assert cache.maybe_evict() and cache.scans == 1 and not cache.maybe_evict()
+    cache.store_regex("r0", "y" * 1000)  # the schemas' regexes count too
+    assert cache.maybe_evict() and cache.scans == 2
+    # over the budget: the oldest files go at the next scan
+    big = cache.max_bytes // 4
+    for i in range(6):
+        cache.store(f"b{i}", big, evict=False)
+        path = tmp_path / "c" / f"b{i}.pkl"
+        os.utime(path, (_time.time() - 100 + i, _time.time() - 100 + i))
+    assert cache.nbytes() > cache.max_bytes
+    assert cache.maybe_evict()
+    assert cache.nbytes() <= cache.max_bytes
+    assert not (tmp_path / "c" / "b0.pkl").exists() and (tmp_path / "c" / "b5.pkl").exists()
+
 def test_disk_cache_keys_and_budget(smol, tmp_path):
     _, art, _ = smol
     compiled = [compile_regex(rx, art, CompileOptions(), budgets=CompileBudgets(time_budget_s=60)) for rx in REGEXES]

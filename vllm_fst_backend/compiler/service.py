@@ -527,11 +527,13 @@ def _serve(artifacts_dir: str, tokenizer_path: str | None) -> int:
                 left = max(deadline - time.perf_counter(), 1e-3)
                 compiled = compile_regex(regex, artifacts, options, budgets=CompileBudgets(time_budget_s=left))
                 if disk is not None:
-                    disk.store(key, compiled)
+                    disk.store(key, compiled, evict=False)  # (evicted after the reply)
             reply = ("ok", regex, 0.0 if hit else (time.perf_counter() - t0) * 1e3, hit)
         except Exception as e:  # every error goes back to the caller, named
             reply = _error_reply(e)
         _send(stdout, reply)
+        if disk is not None:
+            disk.maybe_evict()
         served += 1
         _settle_when_idle(stdin, served)
 
