@@ -350,7 +350,7 @@ def _precheck_handler(orig: Callable) -> Callable:
     event loop) before it; the check's failure is vLLM's own 400 ``ErrorResponse``, also for streamed
     requests, whose engine-side errors would arrive after the 200 headers. A new constraint's request
     enters the engine while its check runs when :func:`pending.should_overlap` says so (its compile starts
-    at once): the response (a streamed request's first chunk) is held until the check's verdict; a refused
+    at once or right after those running): the response (a streamed request's first chunk) is held until the check's verdict; a refused
     check cancels the request (vLLM aborts it) and answers 400, or sends it again to the fallback. Else
     (a quick constraint, or one whose compile waits behind others) the check first, then the request."""
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
