@@ -550,7 +550,7 @@ def test_new_constraint_prefills_while_the_api_server_compiles_it(server, tok, e
     # bounded strings unroll into automaton states: each schema compiles for tens of ms, and the four
     # compiles queue in the API server's compile processes; the requests whose compiles start at once or
     # right after those running enter the engine long before their automata exist (the others once
-    # compiled: pending.should_overlap; a request whose compile ends before its prompt is rendered does not
+    # compiled: pending.overlap_now; a request whose compile ends before its prompt is rendered does not
     # overlap anything)
     schemas = heavy_schemas("field", 4, text_len=200)
 

@@ -1207,7 +1207,7 @@ def _burst(monkeypatch, queued: bool, fail: str = "") -> tuple[list, list]:
 
 def test_a_burst_overlaps_only_the_compiles_that_start_at_once(monkeypatch):
     """The serving handler lets a request with a new constraint into the engine while its compile check
-    runs only when that compile starts at once or right after those running (pending.should_overlap):
+    runs only when that compile starts at once or right after those running (pending.overlap_now):
     with one compile slot, the first two requests of a burst of new schemas overlap; the third, whose
     compile waits behind two, enters the engine once compiled (in a burst on 2 CPUs, entering at once cost
     such requests a late first sample and a step); a quick regex is never overlapped nor counted.

@@ -349,10 +349,12 @@ def _precheck_handler(orig: Callable) -> Callable:
     """The serving handler ``orig`` with the compile check (:func:`validation.run_precheck`, out of the
     event loop) before it; the check's failure is vLLM's own 400 ``ErrorResponse``, also for streamed
     requests, whose engine-side errors would arrive after the 200 headers. A new constraint's request
-    enters the engine while its check runs when :func:`pending.should_overlap` says so (its compile starts
-    at once or right after those running): the response (a streamed request's first chunk) is held until the check's verdict; a refused
-    check cancels the request (vLLM aborts it) and answers 400, or sends it again to the fallback. Else
-    (a quick constraint, or one whose compile waits behind others) the check first, then the request."""
+    enters the engine while its check runs when it is worth it and :func:`pending.overlap_now` (its compile
+    starts at once or right after those running): the response (a streamed request's first chunk) is held
+    until the check's verdict; a refused check cancels the request (vLLM aborts it) and answers 400, or
+    sends it again to the fallback. Else (a quick constraint, or one whose compile waits behind others)
+    the check first, then the request. Checks of constraints worth overlapping are counted in
+    :data:`pending.CHECKS` while they run, whichever way they go."""
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     from vllm.exceptions import GracefulHTTPError, VLLMClientError
 
@@ -365,20 +367,20 @@ def _precheck_handler(orig: Callable) -> Callable:
         plan = validation.plan_precheck(request)
         if plan is None:
             return await call()
-        counted = pending.worth_overlapping(plan.kind, plan.spec)  # (not a quick one: CHECKS counts it)
-        overlap = pending.should_overlap(plan.kind, plan.spec)
-        markers = pending.markers() if overlap else None
+        worth = pending.worth_overlapping(plan.kind, plan.spec)  # (not a quick one)
+        counted = pending.CHECKS.held if worth else contextlib.nullcontext
+        markers = pending.markers() if worth and pending.overlap_now() else None
         token = markers.begin(plan.key) if markers is not None else None
         if token is None:  # no overlap: the check first, then the request
             try:
-                with pending.CHECKS.held() if counted else contextlib.nullcontext():
+                with counted():
                     await validation.run_precheck(plan, self.model_config)
             except (VLLMClientError, GracefulHTTPError) as e:
                 return create_error_response(e)
             return await call()
         run = asyncio.ensure_future(pending.first_output(call()))
         try:
-            with pending.CHECKS.held():
+            with counted():
                 served = await validation.run_precheck(plan, self.model_config)
         except BaseException as e:
             markers.end(plan.key, token, refused=True)

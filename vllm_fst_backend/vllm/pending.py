@@ -441,22 +441,21 @@ CHECKS = CheckQueue()
 
 def overlap_queued() -> bool:
     """``$VLLM_FST_OVERLAP_QUEUED`` (default off): also a request whose compile waits behind others
-    enters the engine at once (:func:`should_overlap`)."""
+    enters the engine at once (:func:`overlap_now`)."""
     return env_flag("VLLM_FST_OVERLAP_QUEUED", False)
 
 
-def should_overlap(kind: str, spec: Any) -> bool:
-    """Whether a request with a new constraint enters the engine while its compile check runs: overlap on
-    (:func:`overlap_enabled`), a constraint worth it (:func:`worth_overlapping`), and its compile starting
-    at once or after those running now (:meth:`CheckQueue.starts_soon`) unless :func:`overlap_queued`. A request whose compile waits
-    behind others (a burst of new constraints) enters the engine once it has compiled: entered at once,
-    it would be prefilled, in arrival order, while the grammars come in shortest-first order, and a request
-    prefilled before its grammar came loses its first sample and takes one more step (on 2 CPUs, up to a
-    1.4 s step of 2,048 prompt tokens); those prefills also take CPU from the compiles. Measured on the
-    serving workload (docs/architecture.md, "Overlap of compile and prefill")."""
-    if not (overlap_enabled() and worth_overlapping(kind, spec)):
-        return False
-    return overlap_queued() or CHECKS.starts_soon()
+def overlap_now() -> bool:
+    """Whether a request whose constraint is worth overlapping (:func:`worth_overlapping`) enters the engine
+    now, while its compile check runs: overlap on (:func:`overlap_enabled`) and its compile starting at
+    once or right after those running (:meth:`CheckQueue.starts_soon`), unless :func:`overlap_queued`.
+    A request whose compile waits behind others (a burst of new constraints) enters the engine once it
+    has compiled: entered at once, it would be prefilled, in arrival order, while the grammars come in
+    shortest-first order, and a request prefilled before its grammar came loses its first sample and
+    takes one more step (on 2 CPUs, up to a 1.4 s step of 2,048 prompt tokens); those prefills also take
+    CPU from the compiles. Measured on the serving workload (docs/architecture.md, "Overlap of compile
+    and prefill")."""
+    return overlap_enabled() and (overlap_queued() or CHECKS.starts_soon())
 
 
 def worth_overlapping(kind: str, spec: Any) -> bool:
