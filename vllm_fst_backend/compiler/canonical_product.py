@@ -117,7 +117,8 @@ class CanonHelper:
         sigma_rows: ``int32[nσ, W]`` -- tokens whose first character's lookahead class is in the set;
         sigma_la: ``bool[nσ, L]``; sigma_end: ``bool[nσ]``; sigma_cls: ``bool[nσ, C]`` -- the classes that
         occur together with each lookahead set (:meth:`_sigma_classes`);
-        est_ban: ``int32[V]`` -- estimated number of classes banning each token (sampled), for witnesses;
+        est_ban: ``int32[V]`` -- 0 for a token no class bans (exact), else 1 + the number of classes
+        banning it among a sample (ranks witnesses);
         few_ok: ``bool[C]``, few_ptr: ``int64[C+1]``, few_tok: ``int64[n]`` -- the classes that allow at most
         :data:`FEW_ALLOWED` tokens, and those tokens (a CSR; :func:`_few_allowed`);
         acc: ``int32[n_acc, 256]`` byte-fallback character acceptor (``None`` without byte fallback);
@@ -184,14 +185,15 @@ class CanonHelper:
         lf = self.la_first
         self.sigma_tok = np.stack([(lf >= 0) & self.sigma_la[i][np.maximum(lf, 0)] for i in range(len(self.sigmas))])
         self.sigma_full = np.array([bool(self.sigma_la[i].all()) for i in range(len(self.sigmas))], dtype=bool)
-        # estimated ban counts from a sample of classes (only ranks witnesses; exactness does not depend on it)
+        # ban counts: 0 exactly for the tokens no class bans (a witness that clears every class at once,
+        # :func:`.kernels.witness_clear`), else 1 + the count among a sample of classes (ranks witnesses)
         n_sample = min(self.C, 384)
         idx = np.linspace(0, self.C - 1, n_sample).astype(np.int64) if self.C else np.zeros(0, np.int64)
         est = np.zeros(self.W * 32, dtype=np.int32)
         for a in range(0, len(idx), 64):
             rows = np.ascontiguousarray(self.bt[:, idx[a : a + 64]].T).view(np.uint8)
             est += np.unpackbits(rows, axis=1, bitorder="little").sum(axis=0, dtype=np.int32)
-        self.est_ban = est[: self.V]
+        self.est_ban = np.where(_banned_by_some(self.bt, self.V), est[: self.V] + 1, 0).astype(np.int32)
         # byte fallback acceptor (SentencePiece canonical byte policy)
         self.bf_tok = np.asarray(trie.byte_fallback, dtype=np.int32)
         self.tok_bf_byte = np.full(self.V, -1, dtype=np.int32)
@@ -376,6 +378,24 @@ class CanonHelper:
 FEW_ALLOWED = 64  # a class allowing at most this many tokens has them listed (CanonHelper.few_tok)
 
 
+def _banned_by_some(bt: np.ndarray, V: int) -> np.ndarray:
+    """``bool[V]``: the tokens that some class bans (any bit of the token's column in the word-major
+    banned bits ``bt: int32[W, C]``), OR-ed over blocks of classes (no copy of ``bt``)."""
+    acc = np.zeros(bt.shape[0], dtype=np.int32)
+    for a in range(0, bt.shape[1], 4096):
+        acc |= np.bitwise_or.reduce(bt[:, a : a + 4096], axis=1)
+    return np.unpackbits(acc.view(np.uint8), bitorder="little")[:V].astype(bool)
+
+
+def _never_banned_row(H) -> np.ndarray:
+    """``int32[W]``: the tokens no class bans (``est_ban == 0``), packed; made once per helper."""
+    row = getattr(H, "_fst_never_row", None)
+    if row is None:
+        row = H._fst_never_row = _pack(H.est_ban == 0, H.W)
+        row.setflags(write=False)
+    return row
+
+
 def _few_allowed(bt: np.ndarray, V: int, C: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(few_ok bool[C], few_ptr int64[C+1], few_tok int64[n])``: the classes after which at most
     :data:`FEW_ALLOWED` tokens are allowed and, as a CSR, those tokens (sorted ids). Such classes are
@@ -516,6 +536,7 @@ class _Analysis:
         self._token_arrays()
         self._group_arrays()
         self.best = self._witness_table()
+        self._never_row = _never_banned_row(H)
         # special tokens: list with their group
         self.spec_toks = np.flatnonzero(self.special & (tg >= 0)).astype(np.int64)
         self.spec_group = tg[self.spec_toks]
@@ -1354,7 +1375,9 @@ class _Analysis:
                     full_row = self.regular_row_packed(s)
                 Y = full_row if H.sigma_full[i] else full_row & H.sigma_rows[i]
                 n_bits = int(np.bitwise_count(Y.view(np.uint32)).sum())
-                if n_bits:
+                if n_bits and (Y & self._never_row).any():  # a token no class bans: every class is good
+                    idx = idx[:0]
+                elif n_bits:
                     if n_bits <= 16 or len(idx) > 2048:
                         words = np.flatnonzero(Y)
                         # one banned column per token (few tokens, or too many classes for row checks)

@@ -986,8 +986,9 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx, out):
     of edge e's target, 0 = all good, else ``tab[tt[e], tclass[w]]`` says the token's class is bad
     there); of these, the ``max_w`` with the lowest ``est_ban`` (lowest id on ties) are tried in that
     order, and each keeps only the classes that ban it (``bt``: word-major banned bits ``int32[W, C]``) of
-    the candidate class ids ``idx`` (``int64``, read only). Returns ``n_left``: the classes left are
-    ``out[:n_left]`` (``out``: ``int64``, at least ``len(idx)``; ``idx`` itself is allowed), in order."""
+    the candidate class ids ``idx`` (``int64``, read only); ``est_ban[w] == 0`` says no class bans w (then
+    none is kept). Returns ``n_left``: the classes left are ``out[:n_left]`` (``out``: ``int64``, at least
+    ``len(idx)``; ``idx`` itself is allowed), in order."""
     E = wc.shape[0]
     n = 0
     cand = np.empty(E * las.shape[0], np.int64)
@@ -1008,6 +1009,8 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx, out):
         return m
     u = np.unique(cand[:n])
     order = np.argsort(est_ban[u], kind="mergesort")
+    if est_ban[u[order[0]]] == 0:  # a token no class bans: every class is cleared
+        return 0
     nw = min(max_w, u.shape[0])
     for r in range(nw):
         if m == 0:
