@@ -972,6 +972,50 @@ def test_json_schema_test_suite():
     assert converted >= SUITE_MIN_CONVERTED and valid_accepted >= SUITE_MIN_VALID_ACCEPTED
 
 
+def test_composed_trees_equal_the_parse_of_the_regex(monkeypatch):
+    """The converter records the tree of each regex it returns (composed from its fragments' trees, not
+    parsed: compiler/regex_parse.remember_tree). For every schema of the JSON Schema Test Suite and the
+    random schemas above that converts, that tree is the one interegular's parse of the regex gives,
+    and parse_regex returns it without parsing (the parser is not called)."""
+    from vllm_fst_backend.compiler import regex_parse as rp
+
+    files = sorted(glob.glob(str(SUITE / "*.json")) + glob.glob(str(SUITE / "optional" / "**" / "*.json"),
+                                                                  recursive=True))
+    schemas = [case["schema"] for f in files for case in json.load(open(f, encoding="utf-8"))]
+    for seed in range(60):
+        rnd = random.Random(seed)
+        defs: dict = {}
+        schema = _random_schema(rnd, 0, defs)
+        schemas.append({**schema, "$defs": defs} if defs and isinstance(schema, dict) else schema)
+    checked = 0
+    for schema in schemas:
+        try:
+            rx = json_schema_to_regex(schema)
+        except NAMED:
+            continue
+        tree = rp.known_tree(rx)
+        assert tree is not None, rx[:200]
+        assert tree == rp._parse_text(rx, None), rx[:200]
+        checked += 1
+    assert checked > 250
+    # parse_regex takes the recorded tree (no parse) and still applies its size budget
+    rx = json_schema_to_regex({"type": "object", "properties": {"a": {"type": "string", "maxLength": 30}}})
+    monkeypatch.setattr(rp, "_parse_text", lambda *a: pytest.fail("parsed a recorded regex"))
+    assert parse_regex(rx) == rp.known_tree(rx)
+    with pytest.raises(CompileBudgetError, match="character positions"):
+        parse_regex(rx, max_positions=10)
+
+
+def test_fragment_trees_are_not_used_where_a_fragment_parses_differently_alone():
+    """A fragment with an anchor or an inline flag, or one that does not parse, has no tree of its own
+    (its parse alone may differ from its part in the whole regex): a regex made with it is parsed."""
+    from vllm_fst_backend.compiler.regex_parse import fragment_tree
+
+    assert fragment_tree("(?i)ab") is None and fragment_tree("^a") is None and fragment_tree("a$") is None
+    assert fragment_tree("(a") is None and fragment_tree("a(?=b)") is None
+    assert fragment_tree("[a-c]x") == ("cat", (("sym", (frozenset("abc"), False)), ("sym", (frozenset("x"), False))))
+
+
 def test_remote_refs_of_the_suite_are_refused():
     data = json.load(open(SUITE / "refRemote.json", encoding="utf-8"))
     n = 0

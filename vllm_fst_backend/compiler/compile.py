@@ -63,7 +63,11 @@ def prepare(artifacts, canonical: bool = True) -> None:
     Called by :func:`compile_regex` before its time budget starts; call it at startup to keep the first
     request fast. The helper's tables come from the host-shared table store when another process built
     them (:mod:`.table_store`: ~20 ms; building costs 0.4 s for SmolLM2, ~8 s for Tekken); the trie
-    costs 0.25-0.8 s per process."""
+    costs 0.25-0.8 s per process. Also imports what the first compile would (interegular's parser,
+    pynini for the character DFA's minimization: ~50 ms)."""
+    import interegular.patterns  # noqa: F401
+    import pynini  # noqa: F401
+
     trie = trie_for(artifacts)
     if canonical:
         from .canonical_product import canonical_helper

@@ -149,7 +149,16 @@ from ..errors import (
     UnsupportedSchemaError,
 )
 from .limits import ENV_VARS, InputLimits, check_schema_obj
-from .regex_parse import escape_literal, parse_regex  # escape_literal: re-exported (one shared copy)
+from .regex_parse import (  # escape_literal: re-exported (one shared copy)
+    alt_node,
+    cat_node,
+    escape_literal,
+    fragment_tree,
+    literal_node,
+    parse_regex,
+    remember_tree,
+    rep_node,
+)
 
 try:  # the parser's nesting limit (regex_parse.MAX_GROUP_DEPTH); 50 where an older parser lacks the name
     from .regex_parse import MAX_GROUP_DEPTH
@@ -311,14 +320,19 @@ def _ptr_join(ptr: str, *tokens: Any) -> str:
 @dataclass(frozen=True)
 class _R:
     """A regex fragment: ``atom`` when a quantifier may follow it without parentheses; ``branches`` the
-    alternatives when it is exactly ``(b1|b2|...)`` (so that unions splice them instead of nesting)."""
+    alternatives when it is exactly ``(b1|b2|...)`` (so that unions splice them instead of nesting);
+    ``tree`` the :mod:`.regex_parse` tree of ``text`` (None: not known, the text is parsed) and
+    ``btrees`` those of the branches."""
 
     text: str
     atom: bool
     branches: tuple[str, ...] | None = None
+    tree: tuple | None = None
+    btrees: tuple | None = None
 
 
-_EPS = _R("", True)  # the empty string
+_EPS = _R("", True, None, cat_node(()))  # the empty string
+_PARSE = object()  # (make: the tree of a fixed or given text, from the fragment parser)
 
 
 class _Rx:
@@ -328,7 +342,10 @@ class _Rx:
     def __init__(self, max_chars: int):
         self.max_chars = max_chars
 
-    def make(self, text: str, atom: bool, branches: tuple[str, ...] | None = None) -> _R:
+    def make(self, text: str, atom: bool, branches: tuple[str, ...] | None = None, tree=_PARSE,
+             btrees: tuple | None = None) -> _R:
+        """A fragment of ``text``; its tree is ``tree``, or the parse of ``text`` alone (memoized,
+        :func:`.regex_parse.fragment_tree`) when not given."""
         if len(text) > self.max_chars:
             var = ENV_VARS["max_regex_chars"]
             raise InputTooLargeError(
@@ -337,12 +354,18 @@ class _Rx:
                 f"{var})",
                 limit_name="max_regex_chars", env_var=var, limit=self.max_chars, measured=len(text),
             )
-        return _R(text, atom, branches)
+        if tree is _PARSE:  # (a text with branches is exactly "(b1|b2|...)")
+            if branches is not None:
+                btrees = tuple(fragment_tree(b) for b in branches)
+                tree = alt_node(btrees) if all(t is not None for t in btrees) else fragment_tree(text)
+            else:
+                tree = fragment_tree(text)
+        return _R(text, atom, branches, tree, btrees)
 
     def lit(self, text: str) -> _R:
         if not text:
             return _EPS
-        return self.make(escape_literal(text), len(text) == 1)
+        return self.make(escape_literal(text), len(text) == 1, tree=literal_node(text))
 
     @staticmethod
     def group(r: _R) -> str:
@@ -356,7 +379,16 @@ class _Rx:
             return _EPS
         if len(parts) == 1:
             return parts[0]
-        return self.make("".join(p.text for p in parts), False)
+        tree = None
+        if all(p.tree is not None for p in parts):  # (a bare concatenation's items join the others)
+            items: list = []
+            for p in parts:
+                if not p.atom and p.tree[0] == "cat":
+                    items.extend(p.tree[1])
+                else:
+                    items.append(p.tree)
+            tree = cat_node(items)
+        return self.make("".join(p.text for p in parts), False, tree=tree)
 
     def alt(self, parts: Iterable[_R | None]) -> _R | None:
         """Union; alternatives of alternations are spliced in, duplicates dropped, ``(...)?`` when one
@@ -369,21 +401,28 @@ class _Rx:
             if not p.text:
                 has_eps = True
                 continue
-            for b in p.branches or (p.text,):
+            if p.branches is None:
+                seen.setdefault(p.text, p)
+                continue
+            bts = p.btrees or (None,) * len(p.branches)
+            for b, bt in zip(p.branches, bts):
                 if b not in seen:
-                    seen[b] = p if p.branches is None else _R(b, False)
+                    seen[b] = _R(b, False, None, bt)
         if not seen:
             return _EPS if has_eps else None
         if len(seen) == 1:
             (r,) = seen.values()
         else:
-            r = self.make("(" + "|".join(seen) + ")", True, tuple(seen))
+            trees = tuple(v.tree for v in seen.values())
+            known = all(t is not None for t in trees)
+            r = self.make("(" + "|".join(seen) + ")", True, tuple(seen), tree=alt_node(trees) if known else None,
+                          btrees=trees)
         return self.opt(r) if has_eps else r
 
     def opt(self, r: _R | None) -> _R:
         if r is None or not r.text:
             return _EPS
-        return self.make(self.group(r) + "?", False)
+        return self.make(self.group(r) + "?", False, tree=None if r.tree is None else rep_node(r.tree, 0, 1))
 
     def rep(self, r: _R | None, lo: int, hi: int | None) -> _R | None:
         if hi is not None and hi < lo:
@@ -399,7 +438,7 @@ class _Rx:
         q = {(0, None): "*", (1, None): "+"}.get((lo, hi))
         if q is None:
             q = "{%d}" % lo if lo == hi else "{%d,}" % lo if hi is None else "{%d,%d}" % (lo, hi)
-        return self.make(self.group(r) + q, False)
+        return self.make(self.group(r) + q, False, tree=None if r.tree is None else rep_node(r.tree, lo, hi))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1953,6 +1992,8 @@ def json_schema_to_regex(schema: dict | bool, whitespace_pattern: str | None = N
     if depth > MAX_GROUP_DEPTH:
         raise CompileBudgetError(f"the JSON schema nests too deeply: its regex nests groups {depth} deep, over the "
                                  f"regex parser's limit of {MAX_GROUP_DEPTH}", None)
+    if result.tree is not None:  # (the compile that follows need not parse the regex again)
+        remember_tree(result.text, result.tree)
     return result.text
 
 

@@ -26,13 +26,17 @@ Tree nodes (tuples, immutable):
 
 from __future__ import annotations
 
+import functools
 import re as _re
+import threading
 import time
+from collections import OrderedDict
 
-from ..errors import CompileBudgetError, RegexSyntaxError, UnsupportedRegexError
+from ..errors import CompileBudgetError, RegexError, RegexSyntaxError, UnsupportedRegexError
 from .limits import InputLimits, check_regex
 
-__all__ = ["parse_regex", "estimate_positions", "escape_literal", "CharSet", "MAX_GROUP_DEPTH"]
+__all__ = ["parse_regex", "estimate_positions", "escape_literal", "CharSet", "MAX_GROUP_DEPTH", "cat_node", "alt_node",
+           "rep_node", "literal_node", "fragment_tree", "remember_tree", "known_tree"]
 
 CharSet = tuple  # (frozenset[str], bool)
 
@@ -220,6 +224,35 @@ def _fold_case(chars: frozenset) -> frozenset:
     return frozenset(more)
 
 
+def cat_node(parts) -> tuple:
+    """The tree of the concatenation of the trees ``parts`` as the parser makes it: ``("eps",)`` parts
+    dropped, a single part itself."""
+    parts = [q for q in parts if q != _EPS]
+    if not parts:
+        return _EPS
+    return parts[0] if len(parts) == 1 else ("cat", tuple(parts))
+
+
+def alt_node(options) -> tuple:
+    """The tree of the alternation of the trees ``options`` (in order) as the parser makes it."""
+    options = tuple(options)
+    return options[0] if len(options) == 1 else ("alt", options)
+
+
+def rep_node(base: tuple, lo: int, hi: int | None) -> tuple:
+    """The tree of ``base{lo,hi}`` (``hi`` None: unbounded) as the parser makes it:
+    ``(x{0,k}){m,n}`` is ``x{0,k*n}`` (every copy may be empty; avoids quadratic follow sets)."""
+    if base[0] == "rep" and base[2] == 0:
+        k = base[3]
+        return ("rep", base[1], 0, None if (k is None or hi is None) else k * hi)
+    return ("rep", base, lo, hi)
+
+
+def literal_node(text: str) -> tuple:
+    """The tree of :func:`escape_literal` (``text``): one single-character set per character."""
+    return cat_node([("sym", (frozenset(c), False)) for c in text])
+
+
 def _convert(p, flags_i: bool, flags_s: bool, regex: str):
     """interegular pattern objects → our tuples (applying the i/s flags)."""
     import interegular.patterns as ip
@@ -234,8 +267,7 @@ def _convert(p, flags_i: bool, flags_s: bool, regex: str):
             fl_s = True
         if p.removed_flags & ip.REFlags.S:
             fl_s = False
-        opts = tuple(_convert(o, fl_i, fl_s, regex) for o in p.options)
-        return opts[0] if len(opts) == 1 else ("alt", opts)
+        return alt_node([_convert(o, fl_i, fl_s, regex) for o in p.options])
     if isinstance(p, ip._Concatenation):
         parts = []
         for q in p.parts:
@@ -243,10 +275,7 @@ def _convert(p, flags_i: bool, flags_s: bool, regex: str):
                 found = _find_unsupported(regex)
                 raise UnsupportedRegexError("lookarounds are not supported", found[1] if found else None)
             parts.append(_convert(q, flags_i, flags_s, regex))
-        parts = [q for q in parts if q != _EPS]
-        if not parts:
-            return _EPS
-        return parts[0] if len(parts) == 1 else ("cat", tuple(parts))
+        return cat_node(parts)
     if isinstance(p, ip._Repeated):
         base = _convert(p.base, flags_i, flags_s, regex)
         if p.max is not None and p.min > p.max:
@@ -254,12 +283,7 @@ def _convert(p, flags_i: bool, flags_s: bool, regex: str):
             raise RegexSyntaxError(
                 f"min repeat {p.min} greater than max repeat {p.max}", m.start() if m else None
             )
-        lo, hi = int(p.min), None if p.max is None else int(p.max)
-        if base[0] == "rep" and base[2] == 0:
-            # (x{0,k}){m,n} == x{0,k*n}: every copy may be empty (avoids quadratic follow sets)
-            k = base[3]
-            return ("rep", base[1], 0, None if (k is None or hi is None) else k * hi)
-        return ("rep", base, lo, hi)
+        return rep_node(base, int(p.min), None if p.max is None else int(p.max))
     if isinstance(p, ip._CharGroup):
         chars = frozenset(p.chars)
         if flags_i:
@@ -285,7 +309,8 @@ def parse_regex(regex: str, max_positions: int = 20000, *, deadline: float | Non
     scan of the text is one linear pass; group nesting is capped at :data:`MAX_GROUP_DEPTH` before the
     (recursive) parser runs; ``deadline`` is checked between the stages (interegular's parser itself
     cannot be interrupted: its cost is bounded by the length limit, about 15 µs per character of a
-    long literal alternation on the development host).
+    long literal alternation on the development host). A regex whose tree the JSON-schema converter
+    recorded (:func:`remember_tree`) is not parsed again; its size is checked the same way.
 
     Args:
         regex: the constraint; the whole output must match it.
@@ -303,12 +328,28 @@ def parse_regex(regex: str, max_positions: int = 20000, *, deadline: float | Non
         nesting depth, deadline).
         InvalidOptionError: a malformed ``VLLM_FST_MAX_*`` environment variable (``limits`` None).
     """
-    import interegular.patterns as ip
-    from interegular.utils.simple_parser import NoMatch
-
     if not isinstance(regex, str):
         raise RegexSyntaxError(f"regex must be a str, got {type(regex).__name__}", None)
     check_regex(regex, InputLimits.from_env() if limits is None else limits)
+    node = known_tree(regex)
+    if node is None:
+        node = _parse_text(regex, deadline)
+    _check_deadline(deadline, "parse")
+    n = estimate_positions(node)
+    if n > max_positions:
+        raise CompileBudgetError(
+            f"regex expands to about {n} character positions after unrolling repetitions "
+            f"(budget {max_positions}); use a smaller bound or an unbounded repetition",
+            None,
+        )
+    return node
+
+
+def _parse_text(regex: str, deadline: float | None):
+    """:func:`parse_regex`'s parse of the text by interegular (no size checks)."""
+    import interegular.patterns as ip
+    from interegular.utils.simple_parser import NoMatch
+
     text, pos_map = _preprocess(regex)
     try:
         found = _find_unsupported(text, MAX_GROUP_DEPTH)
@@ -350,15 +391,50 @@ def parse_regex(regex: str, max_positions: int = 20000, *, deadline: float | Non
         if e.position is not None and e.position < len(pos_map):
             raise RegexSyntaxError(str(e).split(" (at position")[0], pos_map[e.position]) from None
         raise
-    _check_deadline(deadline, "parse")
-    n = estimate_positions(node)
-    if n > max_positions:
-        raise CompileBudgetError(
-            f"regex expands to about {n} character positions after unrolling repetitions "
-            f"(budget {max_positions}); use a smaller bound or an unbounded repetition",
-            None,
-        )
     return node
+
+
+# --- trees known without parsing: regexes the JSON-schema converter composed -------------------------
+# The converter (:mod:`.json_schema`) builds its regex from fragments and knows the tree of each
+# (:func:`fragment_tree` for a fixed or user-given piece, the node constructors above for its own
+# operators), so it records the whole regex's tree here and the compile that follows in the same process
+# does not parse the text again: interegular's parser costs ~2.5 µs per character (44 ms of a real-world
+# schema's 11,000-character regex, a quarter of its compile). tests/test_json_schema.py checks the trees
+# against the parser's on the JSON Schema Test Suite.
+
+KNOWN_TREES_MAX = 16  # regexes whose tree is kept (the most recent conversions)
+_KNOWN: "OrderedDict[str, tuple]" = OrderedDict()
+_KNOWN_LOCK = threading.Lock()
+
+
+def remember_tree(regex: str, tree: tuple) -> None:
+    """Record ``tree`` as the parse of ``regex`` (it must equal what the parser makes of it) for
+    :func:`parse_regex`; the :data:`KNOWN_TREES_MAX` most recent are kept."""
+    with _KNOWN_LOCK:
+        _KNOWN[regex] = tree
+        _KNOWN.move_to_end(regex)
+        while len(_KNOWN) > KNOWN_TREES_MAX:
+            _KNOWN.popitem(last=False)
+
+
+def known_tree(regex: str) -> tuple | None:
+    """The tree recorded for ``regex`` by :func:`remember_tree`, or None."""
+    with _KNOWN_LOCK:
+        return _KNOWN.get(regex)
+
+
+@functools.lru_cache(maxsize=4096)
+def fragment_tree(text: str) -> tuple | None:
+    """The tree of a regex fragment that is concatenated, alternated or repeated into a larger regex
+    as a unit, or None when its parse alone may differ from its part in the whole (anchors, inline
+    flags) or it does not parse (the whole regex is then parsed and reports the error). Memoized: the
+    converter's fixed pieces (a JSON string character, a number, formats) are parsed once per process."""
+    if not text or text.startswith("^") or text.endswith("$") or "(?" in text:
+        return None
+    try:
+        return _parse_text(text, None)
+    except (RegexError, CompileBudgetError, RecursionError):
+        return None
 
 
 def nullable(node) -> bool:
