@@ -948,9 +948,9 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
             o3 = np.zeros(len(k_arr), dtype=bool)
             row = cp._pack_ids(vt[(dj >= 0) & good], H.W)
             row0 = row.copy()
-            kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, row, np.flatnonzero(row), H.nd_ptr,
-                                        H.nd_tok, groups.astype(np.int64),
-                                      k_arr, k_u, o3)
+            kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, H.heavy_pos, H.heavy_rows, row,
+                                        np.flatnonzero(row), H.nd_ptr, H.nd_tok, groups.astype(np.int64),
+                                        k_arr, k_u, o3)
             assert np.array_equal(row, row0)  # (restored)
             o4 = np.zeros(len(k_arr), dtype=bool)
             for u, g in enumerate(groups.tolist()):
@@ -1080,10 +1080,55 @@ def test_few_allowed_classes_listed_and_decided_exactly(fst_artifacts, name):
         want = H.allows_some_numpy(row, k_arr)
         assert np.array_equal(H.allows_some(row, k_arr), want)
         got = np.zeros(len(k_arr), dtype=bool)
-        kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, row.copy(), np.flatnonzero(row),
-                                    np.zeros(2, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), k_arr,
-                                    np.zeros(len(k_arr), np.int64), got)
+        kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, H.heavy_pos, H.heavy_rows, row.copy(),
+                                    np.flatnonzero(row), np.zeros(2, np.int64), np.zeros(0, np.int64),
+                                    np.zeros(1, np.int64), k_arr, np.zeros(len(k_arr), np.int64), got)
         assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "tekken"])
+def test_heavy_classes_copied_and_decided_exactly(fst_artifacts, name):
+    """``CanonHelper.heavy_pos / heavy_rows``: the classes banning the most tokens (more than V /
+    HEAVY_SHARE, at most HEAVY_MAX) with their banned bits copied class-major; the kernels that decide a
+    heavy class along its copy (``allows_some``, ``grouped_allows_some``) agree with the numpy reference on
+    rows that such a class bans entirely (its own banned set), or all but one token of, and random rows."""
+    import vllm_fst_backend.compiler.canonical_product as cp
+    from vllm_fst_backend.compiler import kernels
+    from vllm_fst_backend.compiler.token_trie import trie_for
+
+    arts = fst_artifacts(name)
+    H = cp.canonical_helper(arts, trie_for(arts))
+    heavy = np.flatnonzero(H.heavy_pos >= 0)
+    assert 0 < len(heavy) <= cp.HEAVY_MAX
+    cnt = np.zeros(H.C, dtype=np.int64)
+    for a in range(0, H.W, 256):
+        cnt += np.bitwise_count(H.bt[a : a + 256].view(np.uint32)).sum(axis=0, dtype=np.int64)
+    assert (cnt[heavy] > H.V // cp.HEAVY_SHARE).all()
+    others = np.setdiff1d(np.arange(H.C), heavy)
+    assert len(heavy) == cp.HEAVY_MAX or (cnt[others] <= H.V // cp.HEAVY_SHARE).all()
+    assert cnt[heavy].min() >= cnt[others].max()
+    for k in heavy.tolist():
+        assert np.array_equal(H.heavy_rows[H.heavy_pos[k]], H.bt[:, k])
+    rng = np.random.default_rng(5)
+    k_arr = np.sort(np.concatenate([heavy, rng.choice(others, size=50, replace=False)])).astype(np.int64)
+    rows = [rng.integers(-(2**31), 2**31, size=H.W, dtype=np.int64).astype(np.int32) & rng.integers(0, 2, H.W).astype(np.int32)]
+    for k in heavy[:: max(1, len(heavy) // 4)].tolist():
+        banned = H.bt[:, k].copy()
+        rows.append(banned)  # class k bans every token of it
+        allowed = np.flatnonzero(np.unpackbits((~banned).view(np.uint8), bitorder="little")[: H.V])
+        extra = banned.copy()
+        extra[allowed[-1] >> 5] |= np.int32(1) << np.int32(allowed[-1] & 31)
+        rows.append(extra)  # all but one
+    for row in rows:
+        want = H.allows_some_numpy(row, k_arr)
+        assert np.array_equal(H.allows_some(row, k_arr), want)
+        got = np.zeros(len(k_arr), dtype=bool)
+        kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, H.heavy_pos, H.heavy_rows, row.copy(),
+                                    np.flatnonzero(row), np.zeros(2, np.int64), np.zeros(0, np.int64),
+                                    np.zeros(1, np.int64), k_arr, np.zeros(len(k_arr), np.int64), got)
+        assert np.array_equal(got, want)
+    assert not H.allows_some(rows[1], np.array([heavy[0]], np.int64))[0]
+    assert H.allows_some(rows[2], np.array([heavy[0]], np.int64))[0]
 
 
 def test_sccs_are_components_in_reverse_topological_order():

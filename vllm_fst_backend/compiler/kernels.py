@@ -1029,32 +1029,43 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx, out):
 
 
 @_jit
-def allows_some(bt, few_ok, few_ptr, few_tok, row, words, k_arr, out):
+def allows_some(bt, few_ok, few_ptr, few_tok, heavy_pos, heavy_rows, row, words, k_arr, out):
     """Dead-end analysis (:meth:`.canonical_product.CanonHelper.allows_some`): set ``out[i]`` when class
     ``k_arr[i]`` bans not every token of the bit row ``row`` (``int32[W]``), i.e. some word ``w`` of
     ``words`` (the nonzero words of ``row``) has ``~bt[w, k_arr[i]] & row[w] != 0``. ``bt``: the
     word-major banned bits ``int32[W, C]``. A class that allows few tokens (``few_ok[k]``: they are
-    ``few_tok[few_ptr[k]:few_ptr[k + 1]]``) is decided by reading ``row`` at those tokens. For the others:
-    words outer, still-undecided classes inner (compacted as they clear), so each pass reads one row of
-    ``bt``; stops once every class is cleared."""
+    ``few_tok[few_ptr[k]:few_ptr[k + 1]]``) is decided by reading ``row`` at those tokens. A class that
+    bans many (``heavy_pos[k] >= 0``: its banned bits are the contiguous row ``heavy_rows[heavy_pos[k]]``,
+    ``int32[n_heavy, W]``) is decided alone, along that row. For the others: words outer,
+    still-undecided classes inner (compacted as they clear), so each pass reads one row of ``bt``;
+    stops once every class is cleared."""
     n = k_arr.shape[0]
     rem = np.empty(n, np.int64)
     for i in range(n):
         rem[i] = i
-    _clear_by_words(bt, few_ok, few_ptr, few_tok, row, words, k_arr, rem, n, out)
+    _clear_by_words(bt, few_ok, few_ptr, few_tok, heavy_pos, heavy_rows, row, words, k_arr, rem, n, out)
 
 
 @_jit
-def _clear_by_words(bt, few_ok, few_ptr, few_tok, row, words, k_arr, rem, nrem, out):
-    """The loop of :func:`allows_some` over the classes ``k_arr[rem[:nrem]]`` (``rem`` is reordered)."""
+def _clear_by_words(bt, few_ok, few_ptr, few_tok, heavy_pos, heavy_rows, row, words, k_arr, rem, nrem, out):
+    """The loop of :func:`allows_some` over the classes ``k_arr[rem[:nrem]]`` (``rem`` is reordered).
+    A class that bans every token of ``row`` reads all its words: for the heavy classes (those left
+    after the witnesses, mostly) one contiguous row each instead of one cache line per word of ``bt``."""
     j = 0
-    for r in range(nrem):  # the classes with their allowed tokens listed: decided here
+    for r in range(nrem):  # the classes with their allowed tokens listed, and the heavy ones: decided here
         i = rem[r]
         k = k_arr[i]
         if few_ok[k]:
             for x in range(few_ptr[k], few_ptr[k + 1]):
                 t = few_tok[x]
                 if row[t >> 5] & (np.int32(1) << np.int32(t & 31)):
+                    out[i] = True
+                    break
+        elif heavy_pos[k] >= 0:
+            h = heavy_pos[k]
+            for wi in range(words.shape[0]):
+                w = words[wi]
+                if (row[w] & ~heavy_rows[h, w]) != 0:
                     out[i] = True
                     break
         else:
@@ -1202,13 +1213,14 @@ def special_prep(gs, ts, stamp, stamp_tgt, call, tag, tab, sp_tok_e, sp_group_e,
 
 
 @_jit
-def grouped_allows_some(bt, few_ok, few_ptr, few_tok, row, words, nd_ptr, nd_tok, groups, k_arr, k_u, out):
+def grouped_allows_some(bt, few_ok, few_ptr, few_tok, heavy_pos, heavy_rows, row, words, nd_ptr, nd_tok, groups, k_arr,
+                        k_u, out):
     """Dead-end analysis, the regular-like special tokens (:meth:`.canonical_product._Analysis.
     specials_clear`): set ``out[i]`` when class ``k_arr[i]`` (context group ``g = groups[k_u[i]]``) bans
     not every token of ``row`` less the tokens ``nd_tok[nd_ptr[g]:nd_ptr[g + 1]]`` (those that do not
     act like regular tokens in group g). ``row``: ``int32[W]`` bit row of the candidate tokens (changed
     during the call and restored), ``words``: its nonzero words; ``bt``: word-major banned bits
-    ``int32[W, C]``; ``few_ok, few_ptr, few_tok``: as in :func:`allows_some`. Per group: clear the
+    ``int32[W, C]``; ``few_ok, few_ptr, few_tok, heavy_pos, heavy_rows``: as in :func:`allows_some`. Per group: clear the
     group's exceptions in ``row``, then :func:`allows_some`'s loop
     over the group's classes not yet set, then restore ``row``."""
     U = groups.shape[0]
@@ -1244,7 +1256,7 @@ def grouped_allows_some(bt, few_ok, few_ptr, few_tok, row, words, nd_ptr, nd_tok
                 row[t >> 5] &= ~bit
                 cleared[nc] = t
                 nc += 1
-        _clear_by_words(bt, few_ok, few_ptr, few_tok, row, words, k_arr, rem, nrem, out)
+        _clear_by_words(bt, few_ok, few_ptr, few_tok, heavy_pos, heavy_rows, row, words, k_arr, rem, nrem, out)
         for x in range(nc):
             t = cleared[x]
             row[t >> 5] |= np.int32(1) << np.int32(t & 31)
@@ -1392,7 +1404,7 @@ def warm_up() -> None:
         unique_states(i32, 1)
         unique_states(i64, 1)
         finish(i64, i64, i64, np.ones(1, bool), 1)
-        few = (np.zeros(1, np.bool_), np.zeros(2, np.int64), i64[:0])
+        few = (np.zeros(1, np.bool_), np.zeros(2, np.int64), i64[:0], np.full(1, -1, np.int32), np.zeros((1, 1), np.int32))
         for row in (i32[:1].copy(), _read_only(i32[:1].copy())):  # (memoized rows are read-only)
             allows_some(np.zeros((1, 1), np.int32), *few, row, i64[:1], i64[:1], np.zeros(1, np.bool_))
         group_tokens(i32, 1)
