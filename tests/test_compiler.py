@@ -1043,6 +1043,21 @@ def test_tool_choice_required_schema_walks_valid_and_canonical(fst_artifacts, fs
     assert len(lengths) >= 10 and max(lengths) >= 2  # (walks end, some with more than one tool call)
 
 
+def _row_kernels_match_reference(H, rows, k_arr) -> None:
+    """``allows_some`` and ``grouped_allows_some`` (one context group, no exceptions) give the numpy
+    reference's answer for every row of ``rows`` and the classes ``k_arr``."""
+    from vllm_fst_backend.compiler import kernels
+
+    for row in rows:
+        want = H.allows_some_numpy(row, k_arr)
+        assert np.array_equal(H.allows_some(row, k_arr), want)
+        got = np.zeros(len(k_arr), dtype=bool)
+        kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, H.heavy_pos, H.heavy_rows, row.copy(),
+                                    np.flatnonzero(row), np.zeros(2, np.int64), np.zeros(0, np.int64),
+                                    np.zeros(1, np.int64), k_arr, np.zeros(len(k_arr), np.int64), got)
+        assert np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("name", ["smollm2", "tekken"])
 def test_few_allowed_classes_listed_and_decided_exactly(fst_artifacts, name):
     """``CanonHelper.few_ok / few_ptr / few_tok`` list exactly the classes allowing at most
@@ -1050,7 +1065,6 @@ def test_few_allowed_classes_listed_and_decided_exactly(fst_artifacts, name):
     decide such a class from its list (``allows_some``, ``grouped_allows_some``) agree with the numpy
     reference on rows holding none, one, or all of its allowed tokens."""
     import vllm_fst_backend.compiler.canonical_product as cp
-    from vllm_fst_backend.compiler import kernels
     from vllm_fst_backend.compiler.token_trie import trie_for
 
     arts = fst_artifacts(name)
@@ -1076,14 +1090,7 @@ def test_few_allowed_classes_listed_and_decided_exactly(fst_artifacts, name):
             if len(toks):
                 rows.append(cp._pack_ids(toks, H.W))
     rows.append(cp._pack_ids(np.array([0, H.V - 1]), H.W))
-    for row in rows:
-        want = H.allows_some_numpy(row, k_arr)
-        assert np.array_equal(H.allows_some(row, k_arr), want)
-        got = np.zeros(len(k_arr), dtype=bool)
-        kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, H.heavy_pos, H.heavy_rows, row.copy(),
-                                    np.flatnonzero(row), np.zeros(2, np.int64), np.zeros(0, np.int64),
-                                    np.zeros(1, np.int64), k_arr, np.zeros(len(k_arr), np.int64), got)
-        assert np.array_equal(got, want)
+    _row_kernels_match_reference(H, rows, k_arr)
 
 
 @pytest.mark.parametrize("name", ["smollm2", "tekken"])
@@ -1093,7 +1100,6 @@ def test_heavy_classes_copied_and_decided_exactly(fst_artifacts, name):
     heavy class along its copy (``allows_some``, ``grouped_allows_some``) agree with the numpy reference on
     rows that such a class bans entirely (its own banned set), or all but one token of, and random rows."""
     import vllm_fst_backend.compiler.canonical_product as cp
-    from vllm_fst_backend.compiler import kernels
     from vllm_fst_backend.compiler.token_trie import trie_for
 
     arts = fst_artifacts(name)
@@ -1119,14 +1125,7 @@ def test_heavy_classes_copied_and_decided_exactly(fst_artifacts, name):
         extra = banned.copy()
         extra[allowed[-1] >> 5] |= np.int32(1) << np.int32(allowed[-1] & 31)
         rows.append(extra)  # all but one
-    for row in rows:
-        want = H.allows_some_numpy(row, k_arr)
-        assert np.array_equal(H.allows_some(row, k_arr), want)
-        got = np.zeros(len(k_arr), dtype=bool)
-        kernels.grouped_allows_some(H.bt, H.few_ok, H.few_ptr, H.few_tok, H.heavy_pos, H.heavy_rows, row.copy(),
-                                    np.flatnonzero(row), np.zeros(2, np.int64), np.zeros(0, np.int64),
-                                    np.zeros(1, np.int64), k_arr, np.zeros(len(k_arr), np.int64), got)
-        assert np.array_equal(got, want)
+    _row_kernels_match_reference(H, rows, k_arr)
     assert not H.allows_some(rows[1], np.array([heavy[0]], np.int64))[0]
     assert H.allows_some(rows[2], np.array([heavy[0]], np.int64))[0]
 

@@ -528,12 +528,17 @@ def _postorder(comp: list[int], members: set, ptr: np.ndarray, nxt: np.ndarray) 
 def _sccs(n: int, ptr: np.ndarray, nxt: np.ndarray) -> list[list[int]]:
     """Tarjan's SCCs of the token DFA's state graph (:func:`.kernels.sccs`; successors deduplicated and
     in ascending order), sinks first (reverse topological order)."""
+    comp_ptr, nodes = _scc_csr(n, ptr, nxt)
+    nodes = nodes.tolist()
+    return [nodes[a:b] for a, b in zip(comp_ptr[:-1].tolist(), comp_ptr[1:].tolist())]
+
+
+def _scc_csr(n: int, ptr: np.ndarray, nxt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_sccs` as a CSR: ``(comp_ptr int64[n_comps + 1], nodes int64[n])``."""
     src = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
     pairs = np.unique(src * n + nxt.astype(np.int64))
     cuts = np.searchsorted(pairs // n, np.arange(n + 1)).astype(np.int64)
-    comp_ptr, nodes = _kernels().sccs(cuts, pairs % n)
-    nodes = nodes.tolist()
-    return [nodes[a:b] for a, b in zip(comp_ptr[:-1].tolist(), comp_ptr[1:].tolist())]
+    return _kernels().sccs(cuts, pairs % n)
 
 
 class _Analysis:
@@ -678,7 +683,8 @@ class _Analysis:
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
         # (V- and G-sized, rebuilt on load; the witness table only when a loaded analysis analyses again)
         state["best"] = None
-        state["_xk"] = state["_xstatic"] = None  # (the process's verdict cache; rebuilt to analyse again)
+        state["_xk"] = state["_xstatic"] = state["_static_id"] = None  # (the process's verdict cache; rebuilt
+        state["_memo_tab"] = None  # to analyse again, with the run's memo of keys)
         state["_tag_of_obj"], state["_pinned"] = {}, []
         for name in ("bad", "_tag_full", "g_toks", "g_ptr", "g_size", "bf_start", "special", "regular",
                      "tclass_safe", "_pgrp"):
@@ -1321,6 +1327,12 @@ class _Analysis:
         e0, e1 = ent_sum.tolist()
         self._xstatic = [(a, m, w, None if wd else (x0, x1)) for a, m, w, wd, x0, x1 in
                          zip(self.M.accepting.tolist(), self.mid.tolist(), self.ws_in.tolist(), wide.tolist(), e0, e1)]
+        flags = (self.M.accepting.astype(np.uint64) | (self.mid.astype(np.uint64) << np.uint64(1))
+                 | (self.ws_in.astype(np.uint64) << np.uint64(2)) | (wide.astype(np.uint64) << np.uint64(3)))
+        parts = np.ascontiguousarray(np.stack([flags, np.where(wide, 0, ent_sum[0]), np.where(wide, 0, ent_sum[1])],
+                                              axis=1))
+        rows = parts.view(np.dtype((np.void, parts.shape[1] * 8))).reshape(-1)  # (rows as one value each)
+        self._static_id = np.unique(rows, return_inverse=True)[1].reshape(-1).astype(np.int64)
         return self._xk
 
     def _content_key(self, s: int) -> tuple:
@@ -1332,7 +1344,7 @@ class _Analysis:
         e0, e1 = _kernels().content_key(s, M.edge_ptr, M.edge_group, M.edge_next, self.tag, xk[1], xk[4])
         return (self._xstatic[s], e0, e1)
 
-    def state_bad(self, s: int, only: np.ndarray | None = None):
+    def state_bad(self, s: int, only: np.ndarray | None = None, key: tuple | None = None):
         """The bad table of s given the current tables of its successors (None = all good); decided for
         the classes of :meth:`entering_classes` (the others are left good). Memoized by content across
         the compiles of the process (:mod:`.verdict_cache`); with byte fallback (inner goodness depends
@@ -1342,11 +1354,13 @@ class _Analysis:
         ``only`` (``bool[nsig, C]``, optional): a table known to contain the answer (s's table from an
         earlier evaluation in the same fixpoint iteration: successor tables only lose bad entries and
         the evaluation is monotone in them, so the new table is a subset of the old one); only its
-        entries are decided, which gives the same table as deciding all of them."""
+        entries are decided, which gives the same table as deciding all of them. ``key``: s's
+        :meth:`_content_key` when the caller made it already."""
         M, H = self.M, self.H
         shared = H.acc is None and self.use_kernels
         if shared:
-            key = self._content_key(s)
+            if key is None:
+                key = self._content_key(s)
             found, got = self._xk[0].get(key)
             if found:
                 return got
@@ -1488,7 +1502,7 @@ class _Analysis:
         so regex states inside a character (byte state >= ``n_char_states``) are all-bad at a = 0
         (they are reached only with a > 0, see :meth:`inner_good`)."""
         M = self.M
-        comps = _sccs(M.num_states, M.edge_ptr, M.edge_next)
+        comp_ptr, nodes = _scc_csr(M.num_states, M.edge_ptr, M.edge_next)
         all_bad = np.ones((self.nsig, self.H.C), dtype=bool)
         if self.H.acc is not None:
             for s in np.flatnonzero(M.byte_state >= n_char_states).tolist():
@@ -1500,13 +1514,28 @@ class _Analysis:
         self_loop = np.zeros(M.num_states, dtype=bool)
         self_loop[src[M.edge_next == src]] = True
         skip_l, loop_l = skip.tolist(), self_loop.tolist()
-        for comp in comps:
-            comp = [s for s in comp if not skip_l[s]]
+        shared = self.H.acc is None and self.use_kernels
+        # the components in order; a run of single-state components without a self-loop (each one's
+        # successors decided before it) goes to _run_singles in one piece
+        sizes = np.diff(comp_ptr)
+        single = (sizes == 1) & ~self_loop[nodes[comp_ptr[:-1]]] & ~skip[nodes[comp_ptr[:-1]]]
+        if not shared:
+            single[:] = False
+        c, n_comps = 0, len(sizes)
+        while c < n_comps:
+            if single[c]:
+                e = c + 1
+                while e < n_comps and single[e]:
+                    e += 1
+                self._run_singles(nodes[comp_ptr[c] : comp_ptr[e]])
+                c = e
+                continue
+            comp = [s for s in nodes[comp_ptr[c] : comp_ptr[c + 1]].tolist() if not skip_l[s]]
+            c += 1
             if not comp:
                 continue
             if len(comp) == 1 and not loop_l[comp[0]]:
-                s = comp[0]
-                self._set(s, self.state_bad(s))
+                self._set(comp[0], self.state_bad(comp[0]))
                 continue
             # chaotic iteration with a worklist (monotone: tables only lose bad entries), starting from
             # all-bad = the least fixpoint's bottom; a change re-queues the predecessors inside the SCC
@@ -1544,6 +1573,41 @@ class _Analysis:
                     raise CompileBudgetError("canonical dead-end analysis did not converge", None)
             self._inner_memo.clear()
         self._tag_of_obj, self._pinned = {}, []  # (the tables set during the run; bad[] keeps the final ones)
+
+    def _run_singles(self, states: np.ndarray) -> None:
+        """:meth:`run` for consecutive single-state components in order (each one's successors decided
+        before it), with the verdict cache's keys (:meth:`_content_key`). A state whose key an earlier
+        state of this analysis had takes that state's tag in a compiled loop (:func:`.kernels.memo_run`,
+        the analysis' own memo of key → tag: the same verdict, by the key's definition), with no Python
+        call per state; inside a bounded string or free text most states repeat their successor's content
+        (``[^\n]{1,200}``: 1,601 states, a handful of distinct keys; ~5 µs of Python calls each before).
+        The others go through :meth:`state_bad` (and the cross-compile cache) and enter the memo."""
+        K = _kernels()
+        M = self.M
+        xk = self._xk if self._xk is not None else self._xkey_init()
+        memo = getattr(self, "_memo_tab", None)
+        if memo is None:
+            cap = 1 << max(4, int(2 * M.num_states).bit_length())  # (at least twice the keys it can hold)
+            memo = self._memo_tab = (np.zeros((cap, 3), np.uint64), np.zeros(cap, np.int64), np.zeros(cap, bool))
+        arr = np.ascontiguousarray(states, dtype=np.int64)
+        tag, tag_full, bad = self.tag, self._tag_full, self.bad
+        miss = np.zeros(2, dtype=np.uint64)
+        i, n = 0, len(arr)
+        while i < n:
+            j = K.memo_run(arr, i, M.edge_ptr, M.edge_group, M.edge_next, tag, xk[1], self._xk[4], self._static_id,
+                           *memo, miss)
+            if j > i:
+                for s in arr[i:j].tolist():
+                    t = int(tag[s])
+                    bad[s] = None if t == 0 else tag_full[t]
+                xk[0].hits += j - i
+            if j == n:
+                break
+            s = int(arr[j])
+            key = (self._xstatic[s], int(miss[0]), int(miss[1]))  # (= self._content_key(s))
+            self._set(s, self.state_bad(s, key=key))
+            K.memo_put(*memo, np.uint64(self._static_id[s]), miss[0], miss[1], int(tag[s]))
+            i = j + 1
 
 
 # --------------------------------------------------------------------------------------------------

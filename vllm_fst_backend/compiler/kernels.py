@@ -41,7 +41,7 @@ import numpy as np
 
 __all__ = [
     "class_trie", "walk_class_trie", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
-    "canon_row", "canon_step", "sccs", "content_key", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
+    "canon_row", "canon_step", "sccs", "content_key", "memo_put", "memo_run", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -1375,6 +1375,56 @@ def content_key(s, edge_ptr, edge_group, edge_next, tag, gh, mul):
     return h0, h1
 
 
+@_jit
+def _memo_slot(mkeys, mused, k0, k1, k2):
+    """Open addressing (linear probing) in the table ``mkeys`` (``uint64[cap, 3]``, cap a power of two;
+    ``mused``: ``bool[cap]``): the slot holding the key ``(k0, k1, k2)``, else ``-1 - `` the free slot
+    where it would go (the table is never full: see :func:`memo_put`)."""
+    mask = mkeys.shape[0] - 1
+    h = (k0 * np.uint64(0x9E3779B97F4A7C15)) ^ k1 ^ (k2 * np.uint64(0xBF58476D1CE4E5B9))
+    h = np.int64((h ^ (h >> np.uint64(29))) & np.uint64(mask))
+    while mused[h]:
+        if mkeys[h, 0] == k0 and mkeys[h, 1] == k1 and mkeys[h, 2] == k2:
+            return h
+        h = (h + 1) & mask
+    return -1 - h
+
+
+@_jit
+def memo_put(mkeys, mvals, mused, k0, k1, k2, v):
+    """Store ``v`` under the key ``(k0, k1, k2)`` (uint64) in the table of :func:`_memo_slot`
+    (``mvals``: ``int64[cap]``). The caller sizes it to at least twice the keys it will hold."""
+    h = _memo_slot(mkeys, mused, k0, k1, k2)
+    if h < 0:
+        h = -1 - h
+        mused[h] = True
+        mkeys[h, 0] = k0
+        mkeys[h, 1] = k1
+        mkeys[h, 2] = k2
+    mvals[h] = v
+
+
+@_jit
+def memo_run(states, start, edge_ptr, edge_group, edge_next, tag, gh, mul, static_id, mkeys, mvals, mused, miss_key):
+    """The dead-end analysis over a run of states (:meth:`.canonical_product._Analysis.run`: each one's
+    successors decided before it) from ``states[start]`` on, while each state's content key (the static
+    part's id ``static_id[s]`` and :func:`content_key`'s two sums, with the successors' current tags) is
+    in the analysis' memo (:func:`memo_put`): its tag is the memo's (``tag[s]`` written). Returns the
+    index of the first state whose key is not there (``len(states)`` when none); its two sums are written
+    to ``miss_key`` (``uint64[2]``)."""
+    n = states.shape[0]
+    for i in range(start, n):
+        s = states[i]
+        e0, e1 = content_key(s, edge_ptr, edge_group, edge_next, tag, gh, mul)
+        h = _memo_slot(mkeys, mused, np.uint64(static_id[s]), e0, e1)
+        if h < 0:
+            miss_key[0] = e0
+            miss_key[1] = e1
+            return i
+        tag[s] = mvals[h]
+    return n
+
+
 def _read_only(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
@@ -1413,6 +1463,10 @@ def warm_up() -> None:
         sccs(np.array([0, 1, 1], np.int64), np.array([1], np.int64))
         content_key(0, np.array([0, 1], np.int64), i32[:1], i32[:1], i64, np.zeros((2, 1), np.uint64),
                     np.ones((2, 1), np.uint64))
+        mk, mv, mu = np.zeros((4, 3), np.uint64), np.zeros(4, np.int64), np.zeros(4, np.bool_)
+        memo_put(mk, mv, mu, np.uint64(1), np.uint64(2), np.uint64(3), 1)
+        memo_run(i64[:1], 0, np.array([0, 1], np.int64), i32[:1], i32[:1], i64, np.zeros((2, 1), np.uint64),
+                 np.ones((2, 1), np.uint64), i64, mk, mv, mu, np.zeros(2, np.uint64))
         witness_clear(np.zeros((1, 1), np.int32), np.full((1, 1), -1, np.int32), i64[:1], np.zeros((1, 1), np.bool_),
                       i32, i64[:1], i32, 12, i64[:1].copy(), i64[:1].copy())
         group_classes(np.zeros(1, np.int64), np.array([0, 1], np.int64), i64, np.full(2, -1, np.int64), i64[:1],
