@@ -1588,14 +1588,15 @@ class _Analysis:
         memo = getattr(self, "_memo_tab", None)
         if memo is None:
             cap = 1 << max(4, int(2 * M.num_states).bit_length())  # (at least twice the keys it can hold)
-            memo = self._memo_tab = (np.zeros((cap, 3), np.uint64), np.zeros(cap, np.int64), np.zeros(cap, bool))
-        arr = np.ascontiguousarray(states, dtype=np.int64)
+            memo = self._memo_tab = (np.zeros((cap, 3), np.uint64), np.zeros(cap, np.int64), np.zeros(cap, bool),
+                                     np.zeros(2, np.uint64))  # (+ the sums of the key a run stopped at)
+        miss = memo[3]
+        arr = states if states.dtype == np.int64 else states.astype(np.int64)
         tag, tag_full, bad = self.tag, self._tag_full, self.bad
-        miss = np.zeros(2, dtype=np.uint64)
         i, n = 0, len(arr)
         while i < n:
             j = K.memo_run(arr, i, M.edge_ptr, M.edge_group, M.edge_next, tag, xk[1], self._xk[4], self._static_id,
-                           *memo, miss)
+                           *memo)
             if j > i:
                 for s in arr[i:j].tolist():
                     t = int(tag[s])
@@ -1606,7 +1607,7 @@ class _Analysis:
             s = int(arr[j])
             key = (self._xstatic[s], int(miss[0]), int(miss[1]))  # (= self._content_key(s))
             self._set(s, self.state_bad(s, key=key))
-            K.memo_put(*memo, np.uint64(self._static_id[s]), miss[0], miss[1], int(tag[s]))
+            K.memo_put(*memo[:3], np.uint64(self._static_id[s]), miss[0], miss[1], int(tag[s]))
             i = j + 1
 
 
