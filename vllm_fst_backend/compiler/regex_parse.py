@@ -402,7 +402,7 @@ def _parse_text(regex: str, deadline: float | None):
 # schema's 11,000-character regex, a quarter of its compile). tests/test_json_schema.py checks the trees
 # against the parser's on the JSON Schema Test Suite.
 
-KNOWN_TREES_MAX = 16  # regexes whose tree is kept (the most recent conversions)
+KNOWN_TREES_MAX = 4  # regexes whose tree is kept (the most recent conversions: each is compiled right after)
 _KNOWN: "OrderedDict[str, tuple]" = OrderedDict()
 _KNOWN_LOCK = threading.Lock()
 
@@ -423,7 +423,7 @@ def known_tree(regex: str) -> tuple | None:
         return _KNOWN.get(regex)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def fragment_tree(text: str) -> tuple | None:
     """The tree of a regex fragment that is concatenated, alternated or repeated into a larger regex
     as a unit, or None when its parse alone may differ from its part in the whole (anchors, inline
