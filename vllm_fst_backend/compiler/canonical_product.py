@@ -571,7 +571,6 @@ class _Analysis:
         self._token_arrays()
         self._group_arrays()
         self.best = self._witness_table()
-        self._never_row = _never_banned_row(H)
         # special tokens: list with their group
         self.spec_toks = np.flatnonzero(self.special & (tg >= 0)).astype(np.int64)
         self.spec_group = tg[self.spec_toks]
@@ -1420,7 +1419,7 @@ class _Analysis:
                     full_row = self.regular_row_packed(s)
                 Y = full_row if H.sigma_full[i] else full_row & H.sigma_rows[i]
                 n_bits = int(np.bitwise_count(Y.view(np.uint32)).sum())
-                if n_bits and (Y & self._never_row).any():  # a token no class bans: every class is good
+                if n_bits and (Y & _never_banned_row(H)).any():  # a token no class bans: every class is good
                     idx = idx[:0]
                 elif n_bits:
                     if n_bits <= 16 or len(idx) > 2048:
