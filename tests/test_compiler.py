@@ -983,7 +983,7 @@ def test_deadend_fixpoint_does_not_depend_on_evaluation_order(fst_artifacts, mon
 
     arts = fst_artifacts(name)
     M, H, n = _token_dfa_of(arts, _ARRAY_OF_OBJECTS, monkeypatch)
-    comps = cp._sccs(M.num_states, M.edge_ptr, M.edge_next)
+    comps = _scc_lists(cp, M.num_states, M.edge_ptr, M.edge_next)
     assert max(len(c) for c in comps) > M.num_states // 2
     fast = cp._Analysis(M, H, time.perf_counter() + 300, n)
     fast.run(n)
@@ -1130,8 +1130,15 @@ def test_heavy_classes_copied_and_decided_exactly(fst_artifacts, name):
     assert H.allows_some(rows[2], np.array([heavy[0]], np.int64))[0]
 
 
+def _scc_lists(cp, n, ptr, nxt) -> list[list[int]]:
+    """``cp._scc_csr``'s components as lists of states, sinks first."""
+    comp_ptr, nodes = cp._scc_csr(n, ptr, nxt)
+    nodes = nodes.tolist()
+    return [nodes[a:b] for a, b in zip(comp_ptr[:-1].tolist(), comp_ptr[1:].tolist())]
+
+
 def test_sccs_are_components_in_reverse_topological_order():
-    """``canonical_product._sccs`` (the numba Tarjan) on random graphs against reachability: the
+    """``canonical_product._scc_csr`` (the numba Tarjan) on random graphs against reachability: the
     components partition the nodes, two nodes share one iff each reaches the other, and every edge
     leads to the same component or to an earlier one (sinks first, the order the dead-end analysis
     needs)."""
@@ -1143,7 +1150,7 @@ def test_sccs_are_components_in_reverse_topological_order():
         deg = rng.integers(0, 4, size=n)
         ptr = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
         nxt = rng.integers(0, n, size=int(ptr[-1])).astype(np.int32)
-        comps = cp._sccs(n, ptr, nxt)
+        comps = _scc_lists(cp, n, ptr, nxt)
         assert sorted(x for c in comps for x in c) == list(range(n))
         comp_of = np.empty(n, dtype=np.int64)
         for i, c in enumerate(comps):

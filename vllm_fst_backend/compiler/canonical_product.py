@@ -138,7 +138,8 @@ class CanonHelper:
         self.START = self.C
         self.tclass = np.asarray(cf.token_class, dtype=np.int32)
         self.bt = _banned_transposed(cf, self.V, self.W, self.C)  # int32[W, C]: word-major banned bits
-        self.few_ok, self.few_ptr, self.few_tok = _few_allowed(self.bt, self.V, self.C)
+        ban_counts = _class_ban_counts(self.bt)  # int64[C]
+        self.few_ok, self.few_ptr, self.few_tok = _few_allowed(self.bt, self.V, ban_counts)
         self._attach_filter(cf)
         self.start_row = np.asarray(cf.start_row, dtype=np.int32)
         self.la_first = np.asarray(cf.la_first).astype(np.int64)
@@ -196,7 +197,7 @@ class CanonHelper:
             rows = np.ascontiguousarray(self.bt[:, idx[a : a + 64]].T).view(np.uint8)
             est += np.unpackbits(rows, axis=1, bitorder="little").sum(axis=0, dtype=np.int32)
         self.est_ban = np.where(_banned_by_some(self.bt, self.V), est[: self.V] + 1, 0).astype(np.int32)
-        self.heavy_pos, self.heavy_rows = _heavy_classes(self.bt, self.V)
+        self.heavy_pos, self.heavy_rows = _heavy_classes(self.bt, self.V, ban_counts)
         # byte fallback acceptor (SentencePiece canonical byte policy)
         self.bf_tok = np.asarray(trie.byte_fallback, dtype=np.int32)
         self.tok_bf_byte = np.full(self.V, -1, dtype=np.int32)
@@ -397,18 +398,25 @@ HEAVY_SHARE = 8
 HEAVY_MAX = 256
 
 
-def _heavy_classes(bt: np.ndarray, V: int) -> tuple[np.ndarray, np.ndarray]:
+def _class_ban_counts(bt: np.ndarray) -> np.ndarray:
+    """``int64[C]``: the set bits of each class's column of ``bt`` (``int32[W, C]``, word-major banned
+    bits; the padding bits past the last token included): one popcount pass over it (Tekken ~0.15 s,
+    once per tokenizer)."""
+    cnt = np.zeros(bt.shape[1], dtype=np.int64)
+    for a in range(0, bt.shape[0], 256):
+        cnt += np.bitwise_count(bt[a : a + 256].view(np.uint32)).sum(axis=0, dtype=np.int64)
+    return cnt
+
+
+def _heavy_classes(bt: np.ndarray, V: int, cnt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(heavy_pos int32[C], heavy_rows int32[n, W])``: the classes of ``bt`` (word-major banned bits,
-    ``int32[W, C]``) that ban the most tokens, more than ``V / HEAVY_SHARE`` (at most :data:`HEAVY_MAX`),
-    and their banned bits class-major (``heavy_pos[k]``: k's row, -1 for the others). After the
+    ``int32[W, C]``; ``cnt``: their ban counts, :func:`_class_ban_counts`) that ban the most tokens, more
+    than ``V / HEAVY_SHARE`` (at most :data:`HEAVY_MAX`), and their banned bits class-major (``heavy_pos[k]``: k's row, -1 for the others). After the
     witnesses, the classes left for a row check are mostly these (the classes that ban every witness),
     and a class that bans the whole row is decided only after reading all its words: along one row
     here instead of one cache line of ``bt`` per word (``kernels.allows_some``; Tekken's
     ``[a-z]{2,10}...`` e-mail regex: 34 such classes over ~3,900 words, ~1 ms per check before)."""
     C = bt.shape[1]
-    cnt = np.zeros(C, dtype=np.int64)
-    for a in range(0, bt.shape[0], 256):
-        cnt += np.bitwise_count(bt[a : a + 256].view(np.uint32)).sum(axis=0, dtype=np.int64)
     order = np.argsort(-cnt, kind="stable")[:HEAVY_MAX]
     heavy = np.sort(order[cnt[order] > V // HEAVY_SHARE])
     pos = np.full(C, -1, dtype=np.int32)
@@ -426,16 +434,13 @@ def _never_banned_row(H) -> np.ndarray:
     return row
 
 
-def _few_allowed(bt: np.ndarray, V: int, C: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _few_allowed(bt: np.ndarray, V: int, banned: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(few_ok bool[C], few_ptr int64[C+1], few_tok int64[n])``: the classes after which at most
     :data:`FEW_ALLOWED` tokens are allowed and, as a CSR, those tokens (sorted ids). Such classes are
     bad almost everywhere (Tekken: 10 classes, 148 tokens in all), and proving a class bad against a row
     otherwise reads every nonzero word of the row (``kernels.allows_some``). From ``bt`` (``int32[W, C]``,
-    word-major banned bits): one popcount pass over it (Tekken ~0.15 s, once per tokenizer)."""
-    W = bt.shape[0]
-    banned = np.zeros(C, dtype=np.int64)
-    for a in range(0, W, 256):
-        banned += np.bitwise_count(bt[a : a + 256].view(np.uint32)).sum(axis=0, dtype=np.int64)
+    word-major banned bits) and its columns' set bits ``banned`` (:func:`_class_ban_counts`)."""
+    W, C = bt.shape
     allowed = W * 32 - banned
     pad = W * 32 - V  # bits past the last token (not tokens, whatever their value)
     if pad:
@@ -525,16 +530,10 @@ def _postorder(comp: list[int], members: set, ptr: np.ndarray, nxt: np.ndarray) 
     return out
 
 
-def _sccs(n: int, ptr: np.ndarray, nxt: np.ndarray) -> list[list[int]]:
-    """Tarjan's SCCs of the token DFA's state graph (:func:`.kernels.sccs`; successors deduplicated and
-    in ascending order), sinks first (reverse topological order)."""
-    comp_ptr, nodes = _scc_csr(n, ptr, nxt)
-    nodes = nodes.tolist()
-    return [nodes[a:b] for a, b in zip(comp_ptr[:-1].tolist(), comp_ptr[1:].tolist())]
-
-
 def _scc_csr(n: int, ptr: np.ndarray, nxt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_sccs` as a CSR: ``(comp_ptr int64[n_comps + 1], nodes int64[n])``."""
+    """Tarjan's SCCs of the token DFA's state graph (:func:`.kernels.sccs`; successors deduplicated and
+    in ascending order), sinks first (reverse topological order), as a CSR: ``(comp_ptr int64[n_comps +
+    1], nodes int64[n])``."""
     src = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
     pairs = np.unique(src * n + nxt.astype(np.int64))
     cuts = np.searchsorted(pairs // n, np.arange(n + 1)).astype(np.int64)
@@ -1322,14 +1321,15 @@ class _Analysis:
         for d, tag in self._tags.items():  # (table digest -> tag)
             mul[:, tag] = vc.multipliers(d)
         self._xk = (vc, gh, ent_sum, wide, mul)
-        # the part of each state's key that does not depend on its successors' tables, made once
-        e0, e1 = ent_sum.tolist()
-        self._xstatic = [(a, m, w, None if wd else (x0, x1)) for a, m, w, wd, x0, x1 in
-                         zip(self.M.accepting.tolist(), self.mid.tolist(), self.ws_in.tolist(), wide.tolist(), e0, e1)]
+        # the part of each state's key that does not depend on its successors' tables, made once: its
+        # flags (accepting, inside a character, entered by a whitespace-final token, wide) and its entering
+        # classes' sums (0 when wide); as a tuple for the cross-compile key and as an id per distinct value
+        # for the analysis' own memo (_run_singles), both from these rows
         flags = (self.M.accepting.astype(np.uint64) | (self.mid.astype(np.uint64) << np.uint64(1))
                  | (self.ws_in.astype(np.uint64) << np.uint64(2)) | (wide.astype(np.uint64) << np.uint64(3)))
         parts = np.ascontiguousarray(np.stack([flags, np.where(wide, 0, ent_sum[0]), np.where(wide, 0, ent_sum[1])],
                                               axis=1))
+        self._xstatic = [tuple(r) for r in parts.tolist()]
         rows = parts.view(np.dtype((np.void, parts.shape[1] * 8))).reshape(-1)  # (rows as one value each)
         self._static_id = np.unique(rows, return_inverse=True)[1].reshape(-1).astype(np.int64)
         return self._xk
@@ -1340,8 +1340,11 @@ class _Analysis:
         table multipliers."""
         xk = self._xk if self._xk is not None else self._xkey_init()
         M = self.M
-        e0, e1 = _kernels().content_key(s, M.edge_ptr, M.edge_group, M.edge_next, self.tag, xk[1], xk[4])
-        return (self._xstatic[s], e0, e1)
+        return self._key(s, *_kernels().content_key(s, M.edge_ptr, M.edge_group, M.edge_next, self.tag, xk[1], xk[4]))
+
+    def _key(self, s: int, e0, e1) -> tuple:
+        """:meth:`_content_key` of s from its edges' two sums (``kernels.content_key``)."""
+        return (self._xstatic[s], int(e0), int(e1))
 
     def state_bad(self, s: int, only: np.ndarray | None = None, key: tuple | None = None):
         """The bad table of s given the current tables of its successors (None = all good); decided for
@@ -1574,7 +1577,7 @@ class _Analysis:
         self._tag_of_obj, self._pinned = {}, []  # (the tables set during the run; bad[] keeps the final ones)
 
     def _run_singles(self, states: np.ndarray) -> None:
-        """:meth:`run` for consecutive single-state components in order (each one's successors decided
+        """:meth:`run` for consecutive single-state components (``states``: ``int64``) in order (each one's successors decided
         before it), with the verdict cache's keys (:meth:`_content_key`). A state whose key an earlier
         state of this analysis had takes that state's tag in a compiled loop (:func:`.kernels.memo_run`,
         the analysis' own memo of key → tag: the same verdict, by the key's definition), with no Python
@@ -1590,7 +1593,7 @@ class _Analysis:
             memo = self._memo_tab = (np.zeros((cap, 3), np.uint64), np.zeros(cap, np.int64), np.zeros(cap, bool),
                                      np.zeros(2, np.uint64))  # (+ the sums of the key a run stopped at)
         miss = memo[3]
-        arr = states if states.dtype == np.int64 else states.astype(np.int64)
+        arr = states
         tag, tag_full, bad = self.tag, self._tag_full, self.bad
         i, n = 0, len(arr)
         while i < n:
@@ -1604,7 +1607,7 @@ class _Analysis:
             if j == n:
                 break
             s = int(arr[j])
-            key = (self._xstatic[s], int(miss[0]), int(miss[1]))  # (= self._content_key(s))
+            key = self._key(s, miss[0], miss[1])
             self._set(s, self.state_bad(s, key=key))
             K.memo_put(*memo[:3], np.uint64(self._static_id[s]), miss[0], miss[1], int(tag[s]))
             i = j + 1
