@@ -180,6 +180,52 @@ def test_separated_lists_built_once_keep_the_minimal_dfa(regex, monkeypatch):
     assert raw[True][1:] == raw[False][1:]
 
 
+OPTIONAL_TAILS = [
+    json_schema_to_regex({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 6} for i in range(9)}}),
+    json_schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object", "properties": {
+        "c": {"type": "string"}, "d": {"enum": [1, 2]}}}, "e": {"type": "boolean"}}, "required": ["e"]}),
+    r"(ab(, ?cd)?|cd)x(y(;z+)?|z+)",
+]
+
+
+@pytest.mark.parametrize("regex", OPTIONAL_TAILS, ids=[f"tail{i}" for i in range(len(OPTIONAL_TAILS))])
+def test_optional_tails_built_once_keep_the_minimal_dfa(regex, monkeypatch):
+    """``X (S M)? | M`` is built with one copy of M (``_Glushkov.share_optional_tails``; the converter's
+    leading optional properties are chains of it): the subset construction makes fewer states, and the
+    minimal DFA is the same, transition for transition, as with two copies."""
+    import vllm_fst_backend.compiler.char_dfa as cd
+
+    raw = {}
+    for share in (None, True, False):  # (None: the default, which shares)
+        if share is not None:
+            monkeypatch.setattr(cd._Glushkov, "share_optional_tails", share)
+        seen = []
+        monkeypatch.setattr(cd, "minimize", lambda t, f: seen.append(len(t)) or minimize(t, f))
+        dfa = regex_to_char_dfa(regex, max_states=100_000, max_positions=10**6)
+        raw[share] = (seen[0], dfa.trans, dfa.final, dfa.classes)
+    assert raw[None] == raw[True]
+    assert raw[True][0] < raw[False][0]
+    assert raw[True][1:] == raw[False][1:]
+
+
+def test_optional_tails_are_found_where_exact():
+    """:func:`regex_parse.optional_tail` finds ``X (S M)? | M`` with X, S, M not nullable (M once as a node
+    or as the items of a concatenation); :func:`regex_parse.estimate_positions` counts M once there."""
+    from vllm_fst_backend.compiler.regex_parse import estimate_positions, optional_tail, parse_regex
+
+    def sym(c):
+        return ("sym", (frozenset(c), False))
+
+    assert optional_tail(parse_regex(r"(ab(,cd)?|cd)")) == ((sym("a"), sym("b")), (sym(","),),
+                                                            ("cat", (sym("c"), sym("d"))))
+    assert optional_tail(parse_regex(r"(ab(;c+)?|c+)")) == ((sym("a"), sym("b")), (sym(";"),), ("rep", sym("c"), 1, None))
+    for rx in (r"(ab(,cd)?|ce)", r"(ab(,cd)?|cd|e)", r"(a?(,c)?|c)", r"(ab(c)?|c)", r"(ab(,?c)?|c)",
+               r"(ab(,c){0,2}|c)", r"(ab(,c?)?|c?)", r"(cd|ab(,cd)?)"):
+        assert optional_tail(parse_regex(rx)) is None, rx
+    assert estimate_positions(parse_regex(r"(ab(,cd)?|cd)")) == 2 + 1 + 2
+    assert estimate_positions(parse_regex(r"(ab(,cd)?|ce)")) == 2 + 3 + 2
+
+
 def test_separated_lists_are_found_where_exact():
     """:func:`regex_parse.separated_lists` finds ``X (S X)*`` with S and X not nullable (the longest X);
     :func:`regex_parse.estimate_positions` counts X once there."""

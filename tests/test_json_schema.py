@@ -1102,6 +1102,44 @@ def test_converted_regexes_compile_within_budget(built_artifacts):
         assert compiled.accepting.any()
 
 
+def test_many_leading_optional_properties_compile_and_match_token_by_token(built_artifacts, smollm2_info):
+    """An object of 12 optional bounded strings (none required, so each may start the object) was refused
+    by the position budget: its regex wrote each member ~3 times (10,217 positions, budget 8,000). The
+    converter's chain of optional tails is built with each member's positions once
+    (regex_parse.optional_tail). Compiled with the default budgets (canonical), its matcher accepts the
+    canonical SmolLM2 ids of random instances (any subset of the members, in order) and of the regex's
+    own samples, and rejects out-of-order members, a doubled comma and a string one character too long."""
+    from vllm_fst_backend.artifacts.store import load_artifacts
+    from vllm_fst_backend.compiler import CompileOptions, compile_regex, prepare
+    from vllm_fst_backend.runtime import FstMatcher
+
+    art = load_artifacts(str(built_artifacts("smollm2", canonical=True)))
+    prepare(art, canonical=True)
+    names = [f"field_{i}" for i in range(12)]
+    schema = {"type": "object", "properties": {k: {"type": "string", "maxLength": 30} for k in names}}
+    rx = json_schema_to_regex(schema)
+    assert estimate_positions(parse_regex(rx)) < 8000
+    compiled = compile_regex(rx, art, CompileOptions(canonical=True))  # default budgets
+
+    def accepted(text: str) -> bool:
+        m = FstMatcher(compiled)
+        return all(m.accept_tokens("t", [t]) for t in smollm2_info.encode(text)) and \
+            m.accept_tokens("t", [m.eos_ids[0]]) and m.is_terminated()
+
+    rnd = random.Random(7)
+    words = ["Berlin", "a b", "x" * 30, "", "caf\u00e9", "quote \" here", "日本", "42"]
+    v = validator(schema)
+    for _ in range(25):
+        keys = [k for k in names if rnd.random() < 0.4]
+        inst = {k: rnd.choice(words) for k in keys}
+        assert v.is_valid(inst)
+        assert accepted(compact(inst)), compact(inst)
+    assert accepted("{}") and accepted('{"field_11":"z"}') and accepted('{"field_0":"z"}')
+    assert not accepted('{"field_3":"a","field_1":"b"}')
+    assert not accepted('{"field_1":"a",,"field_3":"b"}')
+    assert not accepted('{"field_1":"' + "x" * 31 + '"}')
+
+
 @pytest.mark.parametrize("schema,keyword,pointer", [
     ({"type": "string", "pattern": "^\\p{Letter}+$"}, "pattern", ""),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^\\cC$"}}}, "pattern", "/properties/a"),

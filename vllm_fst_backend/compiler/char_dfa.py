@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CompileBudgetError, EmptyLanguageError
-from .regex_parse import separated_lists
+from .regex_parse import optional_tail, separated_lists
 
 MAX_CODEPOINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
@@ -268,6 +268,9 @@ class _Glushkov:
                 acc = part if acc is None else self._cat(acc, part)
             return acc
         if k == "alt":
+            tail = optional_tail(node) if self.share_optional_tails else None
+            if tail is not None:
+                return self._optional_tail(*tail)
             first, last, nul = set(), set(), False
             for child in node[1]:
                 f, l, n = self.build(child)
@@ -316,6 +319,21 @@ class _Glushkov:
         self._link(lx, fs)
         self._link(ls, fx)
         return fx, lx, False
+
+    # ``X (S M)? | M`` (:func:`.regex_parse.optional_tail`; the JSON-schema converter's "some of these
+    # members, in order") is built with one copy of M's positions, entered from the start and from S's
+    # last positions, left to whatever follows the alternation: the same language (the two copies had the
+    # same inside and the same exits), and the subset construction makes M's states once.
+    share_optional_tails = True
+
+    def _optional_tail(self, x, sep, m):
+        """Glushkov triple of ``X (S M)? | M`` with one copy of M (X, S, M not nullable)."""
+        fx, lx, _ = self.build(("cat", x) if len(x) > 1 else x[0])
+        fs, ls, _ = self.build(("cat", sep) if len(sep) > 1 else sep[0])
+        fm, lm, _ = self.build(m)
+        self._link(lx, fs)
+        self._link(ls, fm)
+        return fx | fm, lx | lm, False
 
     def _cat(self, a, b):
         fa, la, na = a

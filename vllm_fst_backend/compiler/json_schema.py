@@ -202,11 +202,14 @@ PATTERN_SEARCH_S = 0.5
 #: at all (smaller language; keeps the key regex small).
 EXTRA_KEY_PREFIX = 3
 
-#: Leading optional properties of one object (those before the first required one) are handled in about
-#: this many blocks: each block adds one group nesting level, and the j-th member of a block is written
-#: j + 2 times. A member longer than :data:`BIG_MEMBER_CHARS` (a nested object, say) starts a block (at
-#: most 2 copies), and is written once when it is at least as long as its siblings together (they get
-#: a few copies more), so a chain of nested all-optional objects grows linearly, not exponentially.
+#: Leading optional properties of one object (those before the first required one) are written as a
+#: chain ``((m1(, m2)?|m2)(, m3)?|m3)...`` of at most this many members, or of at most this many blocks,
+#: each a chain of its own (recursively): a chain adds a group nesting level per member after the first
+#: and writes those members twice, so n members nest about 3 log4(n) groups deep and are written about
+#: sqrt(n) times; the character DFA builds each member's positions once (:func:`.regex_parse.optional_tail`).
+#: A member longer than :data:`BIG_MEMBER_CHARS` (a nested object, say) that is at least as long as its
+#: siblings together is written once (they get a few copies more), so a chain of nested all-optional
+#: objects grows linearly, not exponentially.
 OPTIONAL_BLOCKS = 4
 BIG_MEMBER_CHARS = 200
 
@@ -1770,7 +1773,9 @@ class _Converter:
     def some_of(self, members: list[_R]) -> _R | None:
         """Non-empty comma-separated subsequences of optional ``members`` (in order). A member that is big
         and at least as long as all the others together is written once: (some of those before ",")? BIG
-        (", " later one)? ... | some of the others. Otherwise blocks (:func:`optional_blocks`)."""
+        (", " later one)? ... | some of the others. Otherwise a chain (:meth:`chain`) of at most
+        :data:`OPTIONAL_BLOCKS` members, or of that many blocks, each the same construction of its
+        members."""
         self.tick()
         rx, sep = self.rx, self.sep
         if not members:
@@ -1782,25 +1787,26 @@ class _Converter:
             with_p = rx.cat(rx.opt(None if before is None else rx.cat(before, sep)), members[p],
                             *[rx.opt(rx.cat(sep, m)) for m in members[p + 1 :]])
             return rx.alt([with_p, self.some_of(members[:p] + members[p + 1 :])])
-        some: _R | None = None
-        for blk in self.optional_blocks(members):
-            tails = [rx.opt(rx.cat(sep, m)) for m in blk]
-            alts = [] if some is None else [rx.cat(some, *tails)]
-            alts += [rx.cat(m, *tails[j + 1 :]) for j, m in enumerate(blk)]
-            some = rx.alt(alts)
-        return some
+        if len(members) <= OPTIONAL_BLOCKS:
+            return self.chain(members)
+        size = -(-len(members) // OPTIONAL_BLOCKS)
+        return self.chain([self.some_of(members[i : i + size]) for i in range(0, len(members), size)])
 
-    @staticmethod
-    def optional_blocks(members: list[_R]) -> list[list[_R]]:
-        """Consecutive blocks of at most ceil(n / OPTIONAL_BLOCKS) members; a big member starts a block
-        (so that it is written at most twice)."""
-        size = max(1, -(-len(members) // OPTIONAL_BLOCKS))
-        blocks: list[list[_R]] = []
-        for m in members:
-            if not blocks or len(blocks[-1]) >= size or len(m.text) > BIG_MEMBER_CHARS:
-                blocks.append([])
-            blocks[-1].append(m)
-        return blocks
+    def chain(self, parts: list[_R]) -> _R:
+        """``S_1 = P_1``, ``S_k = (S_{k-1}(, P_k)?|P_k)``: the non-empty comma-separated subsequences of the
+        (non-empty) languages ``parts`` in order. Each part is written twice, but the character DFA builds
+        its positions once (:func:`.regex_parse.optional_tail`), and so does the position budget count
+        them. The alternation is made here, not by :meth:`_Rx.alt`, which would splice in a part's own
+        branches and hide the shape."""
+        rx, sep = self.rx, self.sep
+        s = parts[0]
+        for part in parts[1:]:
+            self.tick()
+            a = rx.cat(s, rx.opt(rx.cat(sep, part)))
+            tree = None if a.tree is None or part.tree is None else alt_node((a.tree, part.tree))
+            s = rx.make("(" + a.text + "|" + part.text + ")", True, (a.text, part.text), tree=tree,
+                        btrees=(a.tree, part.tree))
+        return s
 
     def wrap_object(self, body: _R | None, may_be_empty: bool) -> _R | None:
         rx = self.rx

@@ -475,6 +475,35 @@ def separated_lists(kids) -> dict:
     return out
 
 
+def optional_tail(node) -> tuple | None:
+    """``(X, S, M)`` when the alternation ``node`` is ``X (S M)? | M`` (two options, the second M again at
+    the end of the optional part; X, S, M not nullable), else None. X and S are tuples of nodes (the items
+    of a concatenation), M a node. The language is X | X S M | M: a position automaton may build M once,
+    entered from the start and from S's last positions (:mod:`.char_dfa`), and :func:`estimate_positions`
+    counts it once. The JSON-schema converter writes "some of these members, in order, comma-separated"
+    (an object's leading optional properties) as a chain of such alternations, so the members' positions
+    are not copied once per place they may start the object."""
+    if node[0] != "alt" or len(node[1]) != 2:
+        return None
+    first, m = node[1]
+    if first[0] != "cat" or len(first[1]) < 2:
+        return None
+    opt = first[1][-1]
+    if opt[0] != "rep" or opt[2] != 0 or opt[3] != 1 or opt[1][0] != "cat":
+        return None
+    body = opt[1][1]
+    if m[0] == "cat" and len(body) > len(m[1]) and body[len(body) - len(m[1]):] == m[1]:
+        sep = body[: len(body) - len(m[1])]
+    elif len(body) > 1 and body[-1] == m:
+        sep = body[:-1]
+    else:
+        return None
+    x = first[1][:-1]
+    if nullable(m) or nullable(("cat", sep)) or nullable(("cat", x)):
+        return None
+    return x, sep, m
+
+
 def estimate_positions(node) -> int:
     """Number of character positions of ``node`` after unrolling counted repetitions (an upper bound
     on the position automaton's size). Computed on the tree without expanding anything; saturates at
@@ -499,6 +528,10 @@ def estimate_positions(node) -> int:
                 i += 1
         return min(cap, total)
     if kind == "alt":
+        tail = optional_tail(node)
+        if tail is not None:  # X (S M)? | M: M's positions once
+            x, sep, m = tail
+            return min(cap, estimate_positions(("cat", x)) + estimate_positions(("cat", sep)) + estimate_positions(m))
         return min(cap, sum(estimate_positions(c) for c in node[1]))
     if kind == "rep":
         inner = estimate_positions(node[1])
