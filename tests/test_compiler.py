@@ -552,6 +552,29 @@ def test_token_dfa_backends_agree_on_random_regexes(built_artifacts, name, regex
             token_dfa._WALK_CHUNK_VISITS = saved
 
 
+def test_byte_classes_kernels_equal_numpy():
+    """The byte classes of a byte DFA table (bytes with equal columns; dead bytes -1; numbered by smallest
+    byte): the hashing kernel, its exact fallback (taken on a hash collision) and the numpy path agree, on
+    random tables with few distinct values (many equal columns) and on real ones."""
+    from vllm_fst_backend.compiler import kernels
+    from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
+    from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_table, regex_to_char_dfa
+    from vllm_fst_backend.compiler.token_dfa import _byte_classes
+
+    rng = np.random.default_rng(3)
+    tables = [byte_dfa_table(regex_to_char_dfa(rx)).table for rx in
+              (json_schema_to_regex(_TOOL_SCHEMA), _JSON_LIKE, _POKEDEX_LIKE, r"[^\n]{1,20}", "a")]
+    for _ in range(200):
+        t = rng.integers(-1, 3, size=(int(rng.integers(1, 6)), 256)).astype(np.int32)
+        t[:, rng.integers(0, 256, 60)] = -1
+        tables.append(t)
+    for t in tables:
+        want = _byte_classes(t, fast=False)
+        for got in (_byte_classes(t, fast=True), kernels.byte_classes_exact(t)):
+            assert np.array_equal(got[0], want[0]) and int(got[1]) == want[1] and np.array_equal(got[2], want[2])
+        assert want[1] == len(np.unique(t[:, want[0] >= 0], axis=1).T) and (want[0] < 0).sum() == (t < 0).all(0).sum()
+
+
 def test_token_dfa_numba_budgets_and_empty(built_artifacts):
     """Both backends raise the same typed errors: past deadline, too many states or transitions, and an
     empty token language (a vocabulary that cannot spell the regex)."""
@@ -895,7 +918,8 @@ _SMALL_OBJECT = r"\{[ ]?(" + _MEMBER + r"([ ]?,[ ]?" + _MEMBER + r"){0,2})?[ ]?\
 def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, regex):
     """The dead-end analysis' fast path (kernels ``allows_some`` / ``pairs_clear``, vectorized
     ``byte_moves`` / ``inner_good`` / ``opening_byte_ok``) gives exactly the reference verdicts: equal bad
-    tables and tags for every regex state, and equal byte-fallback moves (SentencePiece)."""
+    tables and tags for every regex state, equal state signatures (``kernels.signatures``), and equal
+    byte-fallback moves (SentencePiece)."""
     arts = fst_artifacts(name)
     cp, fast, ref = _analysis_pair(arts, regex, monkeypatch)
     assert len(fast.bad) == len(ref.bad)
@@ -904,6 +928,9 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
         if a is not None:
             assert np.array_equal(a, b), (regex, s)
     assert np.array_equal(fast.tag, ref.tag)
+    # the states' signatures (kernels.signatures against the dict of the reference path)
+    sig_fast, sig_ref = cp._signatures(fast), cp._signatures(ref)
+    assert np.array_equal(sig_fast, sig_ref) and sig_fast.dtype == sig_ref.dtype
     H = fast.H
     _check_setup_kernels(fast)
     # the kernels against their numpy references on the analysis' own rows and random class sets

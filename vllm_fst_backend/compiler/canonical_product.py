@@ -594,7 +594,7 @@ class _Analysis:
         self._bstatic: dict = {}
         self._cls_ids: dict = {}  # mid (bool) -> per σ, the ids of H.cls_mid / H.cls_boundary in sigma_cls[σ]
         self._xk = None  # (verdict cache, group hashes, per-state entering-class sums, tag multipliers)
-        self._xstatic = None  # (per state: the part of its content key made once, _xkey_init)
+        self._xstatic = None  # (uint64[S, 3] per state: the part of its content key made once, _xkey_init)
         self._tag_of_obj: dict = {}  # id(table) -> tag (_set)
         self._pinned: list = []  # (those tables, kept alive)
         # entering classes (see entering_classes); not with a byte-fallback acceptor (inner goodness
@@ -1329,7 +1329,7 @@ class _Analysis:
                  | (self.ws_in.astype(np.uint64) << np.uint64(2)) | (wide.astype(np.uint64) << np.uint64(3)))
         parts = np.ascontiguousarray(np.stack([flags, np.where(wide, 0, ent_sum[0]), np.where(wide, 0, ent_sum[1])],
                                               axis=1))
-        self._xstatic = [tuple(r) for r in parts.tolist()]
+        self._xstatic = parts  # (a key's tuple is made when a state needs one: _key)
         rows = parts.view(np.dtype((np.void, parts.shape[1] * 8))).reshape(-1)  # (rows as one value each)
         self._static_id = np.unique(rows, return_inverse=True)[1].reshape(-1).astype(np.int64)
         return self._xk
@@ -1344,7 +1344,7 @@ class _Analysis:
 
     def _key(self, s: int, e0, e1) -> tuple:
         """:meth:`_content_key` of s from its edges' two sums (``kernels.content_key``)."""
-        return (self._xstatic[s], int(e0), int(e1))
+        return (tuple(self._xstatic[s].tolist()), int(e0), int(e1))
 
     def state_bad(self, s: int, only: np.ndarray | None = None, key: tuple | None = None):
         """The bad table of s given the current tables of its successors (None = all good); decided for
@@ -2354,7 +2354,17 @@ def _append_rows(buf: np.ndarray, n: int, rows: np.ndarray) -> np.ndarray:
 
 def _signatures(an: _Analysis) -> np.ndarray:
     """``int32[S]``: the signature of each regex state, numbered from 0 in order of first appearance:
-    states with equal (edge groups, successor tags) have equal base rows and special-token tables."""
+    states with equal (edge groups, successor tags) have equal base rows and special-token tables
+    (:func:`.kernels.signatures`; with ``use_kernels`` off, :func:`_signatures_reference`)."""
+    M = an.M
+    if not an.use_kernels:
+        return _signatures_reference(an)
+    return _kernels().signatures(np.ascontiguousarray(M.edge_ptr, dtype=np.int64), np.ascontiguousarray(M.edge_group, dtype=np.int32),
+                                 np.ascontiguousarray(an.tag[M.edge_next], dtype=np.int64))
+
+
+def _signatures_reference(an: _Analysis) -> np.ndarray:
+    """:func:`_signatures` in Python: a dict keyed by each state's edge groups and successor tags."""
     M = an.M
     S = M.num_states
     keys: dict = {}

@@ -13,6 +13,7 @@ class-trie arcs per call).
 Token DFA (:mod:`.token_dfa`, paper 001 Alg. 2 / 004 Eq. 3: byte DFA ∘ detokenizer, projected on tokens;
 each kernel reproduces one numpy step of the reference path exactly, see the function docstrings):
 
+* :func:`byte_classes` -- bytes with equal columns of the byte DFA;
 * :func:`class_trie` -- the class trie (token-trie nodes merged by byte-class strings);
 * :func:`walk_class_trie` -- the walk of the class trie from many byte states, in two passes: the
   states reached and, per group, hash sums of its (source, next state) pairs (merging groups with
@@ -24,6 +25,7 @@ each kernel reproduces one numpy step of the reference path exactly, see the fun
 
 Factored canonical product (:mod:`.canonical_product`, 004 Eq. 5 / §6.5):
 
+* :func:`signatures` -- the states' (edge groups, successor tags) signatures numbered;
 * :func:`content_key` -- the edge part of a state's cross-compile dead-end verdict key (:mod:`.verdict_cache`);
 * :func:`canon_row` -- the allowed-token row of a product state ``(s, 0, k, σ)``;
 * :func:`canon_step` -- one decoding step: successor state and its row in one call.
@@ -40,8 +42,8 @@ import numba
 import numpy as np
 
 __all__ = [
-    "class_trie", "walk_class_trie", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
-    "canon_row", "canon_step", "sccs", "content_key", "memo_put", "memo_run", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
+    "byte_classes", "byte_classes_exact", "class_trie", "walk_class_trie", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
+    "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -50,6 +52,83 @@ _jit = numba.njit(cache=True, nogil=True)
 # --------------------------------------------------------------------------------------------------
 # Token DFA
 # --------------------------------------------------------------------------------------------------
+
+
+@_jit
+def byte_classes_exact(table):
+    """:func:`byte_classes` by comparing every live byte's column in full with each class' representative
+    (no hashing; O(256 · K · n), strided reads: its fallback on a hash collision)."""
+    n = table.shape[0]
+    bcls = np.full(256, -1, np.int32)
+    rep = np.empty(256, np.int32)
+    K = 0
+    for b in range(256):
+        live = False
+        for r in range(n):
+            if table[r, b] >= 0:
+                live = True
+                break
+        if not live:
+            continue
+        found = -1
+        for k in range(K):
+            c = rep[k]
+            same = True
+            for r in range(n):
+                if table[r, c] != table[r, b]:
+                    same = False
+                    break
+            if same:
+                found = k
+                break
+        if found < 0:
+            rep[K] = b
+            found = K
+            K += 1
+        bcls[b] = found
+    return bcls, K, rep[:K].copy()
+
+
+@_jit
+def byte_classes(table):
+    """:func:`.token_dfa._byte_classes`: bytes whose columns of the byte DFA's ``table`` (``int32[n, 256]``)
+    are equal form a class, bytes rejected in every state (a column of -1 only) are dead. Returns
+    ``(bcls int32[256], K, rep int32[K])``: each byte's class (-1 dead), numbered in order of each class'
+    smallest byte, which is ``rep[k]``. One pass over the table for a hash of each column, one more to
+    check every byte's column against its class representative's; on a hash collision (a mismatch),
+    every column compared in full with the representatives instead."""
+    n = table.shape[0]
+    h = np.zeros(256, np.uint64)
+    top = np.full(256, -1, np.int32)
+    for r in range(n):
+        for b in range(256):  # (independent per byte: vectorized)
+            v = table[r, b]
+            h[b] = h[b] * np.uint64(0x100000001B3) + np.uint64(v + 2)
+            top[b] = max(top[b], v)
+    bcls = np.full(256, -1, np.int32)
+    rep = np.empty(256, np.int32)
+    K = 0
+    for b in range(256):  # classes by hash
+        if top[b] < 0:
+            continue
+        found = -1
+        for k in range(K):
+            if h[rep[k]] == h[b]:
+                found = k
+                break
+        if found < 0:
+            rep[K] = b
+            found = K
+            K += 1
+        bcls[b] = found
+    ok = True
+    for r in range(n):  # verified in one pass over the rows
+        for b in range(256):
+            if bcls[b] >= 0 and table[r, b] != table[r, rep[bcls[b]]]:
+                ok = False
+    if not ok:  # a hash collision
+        return byte_classes_exact(table)
+    return bcls, K, rep[:K].copy()
 
 
 @_jit
@@ -1357,6 +1436,47 @@ _WARM_LOCK = threading.Lock()
 
 
 @_jit
+def signatures(edge_ptr, edge_group, edge_tag):
+    """:func:`.canonical_product._signatures`: ``int32[S]``, each state's number among the distinct
+    sequences (edge groups, successor tags) of its edges (``edge_ptr int64[S+1]``, ``edge_group int32[E]``,
+    ``edge_tag int64[E]``), numbered in order of first appearance. A hash per state into an open-addressing
+    table of representatives; equal hashes are compared edge by edge, so the numbering is exact."""
+    S = edge_ptr.shape[0] - 1
+    cap = 16
+    while cap < 2 * S:
+        cap *= 2
+    slot = np.full(cap, -1, np.int64)
+    out = np.empty(S, np.int32)
+    n_sig = 0
+    for s in range(S):
+        a, b = edge_ptr[s], edge_ptr[s + 1]
+        h = np.uint64(0xCBF29CE484222325) ^ np.uint64(b - a)
+        for e in range(a, b):
+            h = (h ^ np.uint64(edge_group[e])) * np.uint64(0x100000001B3)
+            h = (h ^ np.uint64(edge_tag[e])) * np.uint64(0x100000001B3)
+        i = np.int64(h & np.uint64(cap - 1))
+        while True:
+            r = slot[i]
+            if r < 0:
+                slot[i] = s
+                out[s] = n_sig
+                n_sig += 1
+                break
+            ra, rb = edge_ptr[r], edge_ptr[r + 1]
+            if rb - ra == b - a:
+                same = True
+                for k in range(b - a):
+                    if edge_group[ra + k] != edge_group[a + k] or edge_tag[ra + k] != edge_tag[a + k]:
+                        same = False
+                        break
+                if same:
+                    out[s] = out[r]
+                    break
+            i = (i + 1) & (cap - 1)
+    return out
+
+
+@_jit
 def content_key(s, edge_ptr, edge_group, edge_next, tag, gh, mul):
     """The edge part of a state's cross-compile verdict key (:mod:`.verdict_cache`): over the edges of
     regex state ``s`` (CSR ``edge_ptr``, ``edge_group``, ``edge_next``), the sums (wrapping ``uint64``) of
@@ -1441,6 +1561,8 @@ def warm_up() -> None:
         i64 = np.zeros(2, np.int64)
         class_trie(np.array([-1, 0], np.int32), np.array([0, 0], np.int32), np.array([1, 2, 2], np.int64), 1)
         table = np.full((1, 256), -1, np.int32)
+        byte_classes(table)
+        byte_classes_exact(table)
         no_kids = np.zeros(0, np.int32)
         h, sums = np.zeros((6, 1), np.uint64), np.zeros((2, 1), np.uint64)
         walk_class_trie(np.array([1, 1], np.int64), no_kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, False, h, sums,
@@ -1461,6 +1583,7 @@ def warm_up() -> None:
         group_tokens(i64, 1)
         entering_classes(i64[:1], i64[:1], np.array([0, 1], np.int64), i64[:1], 1, 1)
         sccs(np.array([0, 1, 1], np.int64), np.array([1], np.int64))
+        signatures(np.array([0, 1], np.int64), i32[:1], i64[:1])
         content_key(0, np.array([0, 1], np.int64), i32[:1], i32[:1], i64, np.zeros((2, 1), np.uint64),
                     np.ones((2, 1), np.uint64))
         mk, mv, mu = np.zeros((4, 3), np.uint64), np.zeros(4, np.int64), np.zeros(4, np.bool_)
