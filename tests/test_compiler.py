@@ -997,6 +997,30 @@ def test_deadend_analysis_matches_reference(fst_artifacts, monkeypatch, name, re
     assert paths == {True, False} or (True in paths and regex.endswith("中文"))
 
 
+@pytest.mark.parametrize("name", ["smollm2", "tekken"])
+def test_witness_verdicts_of_the_compiled_run_are_exact(fst_artifacts, monkeypatch, name):
+    """``kernels.witness_verdict`` (``memo_run``'s verdict for a state whose witnesses alone clear every
+    class, without calling ``state_bad``) only ever says "all good" where the analysis' verdict is all
+    good, on the fast and on the reference path (which never takes it), for every state; and it serves
+    the run (a quarter of a JSON schema's states at least)."""
+    from vllm_fst_backend.compiler import kernels
+
+    arts = fst_artifacts(name)
+    schema_rx = _schema_regex({"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["C", "F"]},
+                               "days": {"type": "integer", "minimum": 1, "maximum": 14}}, ["city"])
+    for regex in (schema_rx, _SMALL_OBJECT):
+        cp, fast, ref = _analysis_pair(arts, regex, monkeypatch)
+        assert fast._free_count()[0] > 0, regex
+        M = fast.M
+        n_true = 0
+        for s in range(M.num_states):
+            if kernels.witness_verdict(s, M.edge_ptr, M.edge_group, M.edge_next, fast.tag, fast._witness_args()):
+                n_true += 1
+                assert fast.bad[s] is None and ref.bad[s] is None, (regex, s)
+                assert fast.state_bad(s) is None, (regex, s)
+        assert n_true > (M.num_states // 4 if regex is schema_rx else 10), (regex, n_true, M.num_states)
+
+
 _ARRAY_OF_OBJECTS = r"\[" + _SMALL_OBJECT + r"([ ]?,[ ]?" + _SMALL_OBJECT + r")*\]"
 
 

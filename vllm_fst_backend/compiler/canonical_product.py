@@ -595,6 +595,8 @@ class _Analysis:
         self._cls_ids: dict = {}  # mid (bool) -> per σ, the ids of H.cls_mid / H.cls_boundary in sigma_cls[σ]
         self._xk = None  # (verdict cache, group hashes, per-state entering-class sums, tag multipliers)
         self._xstatic = None  # (uint64[S, 3] per state: the part of its content key made once, _xkey_init)
+        self._wv = None  # (the arrays of kernels.witness_verdict, _witness_args)
+        self._n_free = np.zeros(1, np.int64)  # (states kernels.memo_run found all good by their witnesses)
         self._tag_of_obj: dict = {}  # id(table) -> tag (_set)
         self._pinned: list = []  # (those tables, kept alive)
         # entering classes (see entering_classes); not with a byte-fallback acceptor (inner goodness
@@ -681,7 +683,7 @@ class _Analysis:
         state["_ent_ptr"] = state["_ent_cls"] = state["_ent_wide"] = None
         # (V- and G-sized, rebuilt on load; the witness table only when a loaded analysis analyses again)
         state["best"] = None
-        state["_xk"] = state["_xstatic"] = state["_static_id"] = None  # (the process's verdict cache; rebuilt
+        state["_xk"] = state["_xstatic"] = state["_static_id"] = state["_wv"] = None  # (the process's verdict cache; rebuilt
         state["_memo_tab"] = None  # to analyse again, with the run's memo of keys)
         state["_tag_of_obj"], state["_pinned"] = {}, []
         for name in ("bad", "_tag_full", "g_toks", "g_ptr", "g_size", "bf_start", "special", "regular",
@@ -1576,6 +1578,49 @@ class _Analysis:
             self._inner_memo.clear()
         self._tag_of_obj, self._pinned = {}, []  # (the tables set during the run; bad[] keeps the final ones)
 
+    def _witness_args(self) -> tuple:
+        """The arrays of :func:`.kernels.witness_verdict` (the tag table as it is now: it grows)."""
+        wv = getattr(self, "_wv", None)
+        if wv is None:
+            H, S = self.H, self.M.num_states
+            las_ptr = np.zeros(self.nsig + 1, np.int64)
+            np.cumsum([len(x) for x in self._las], out=las_ptr[1:])
+            las = np.concatenate(self._las).astype(np.int64) if self.nsig else np.zeros(0, np.int64)
+            ent_ptr, ent_cls, ent_wide = self._ent_ptr, self._ent_cls, self._ent_wide
+            if ent_ptr is None:
+                ent_ptr, ent_cls, ent_wide = np.zeros(S + 1, np.int64), np.zeros(0, np.int64), np.ones(S, bool)
+            if self.best is None:
+                self.best = self._witness_table()
+            wv = self._wv = [self.best, None, np.ascontiguousarray(self.tclass_safe), las_ptr, las,
+                             np.ascontiguousarray(H.est_ban, dtype=np.int32), H.bt, self._MAX_WITNESSES,
+                             np.ascontiguousarray(self.M.accepting, dtype=bool), self.ws_in, self.mid, H.sigma_end,
+                             np.ascontiguousarray(H.sigma_cls), np.stack([H.cls_boundary, H.cls_mid]),
+                             np.ascontiguousarray(ent_ptr, dtype=np.int64), np.ascontiguousarray(ent_cls, dtype=np.int64),
+                             np.ascontiguousarray(ent_wide, dtype=bool), np.empty(4096, np.int64),
+                             np.empty(4096, np.int64), np.empty(H.C, np.int64), *self._wide_classes()]
+        wv[1] = self._tag_table()
+        return tuple(wv)
+
+    def _wide_classes(self) -> tuple[np.ndarray, np.ndarray]:
+        """CSR ``(ptr int64[2nσ+1], classes int64[n])``: row ``2σ + mid`` = the classes :meth:`state_bad`
+        decides at a state entered by every class (outside / inside a character) under σ, as its
+        ``per_sig`` lists."""
+        H = self.H
+        rows = []
+        for i in range(self.nsig):
+            for base in (H.cls_boundary, H.cls_mid):
+                rows.append(np.flatnonzero(base & H.sigma_cls[i]).astype(np.int64))
+        ptr = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum([len(r) for r in rows], out=ptr[1:])
+        return ptr, np.concatenate(rows) if rows else np.zeros(0, np.int64)
+
+    def _free_count(self) -> np.ndarray:
+        """``int64[1]``: states :func:`.kernels.memo_run` found all good by their witnesses alone."""
+        n = getattr(self, "_n_free", None)
+        if n is None:
+            n = self._n_free = np.zeros(1, np.int64)
+        return n
+
     def _run_singles(self, states: np.ndarray) -> None:
         """:meth:`run` for consecutive single-state components (``states``: ``int64``) in order (each one's successors decided
         before it), with the verdict cache's keys (:meth:`_content_key`). A state whose key an earlier
@@ -1598,7 +1643,7 @@ class _Analysis:
         i, n = 0, len(arr)
         while i < n:
             j = K.memo_run(arr, i, M.edge_ptr, M.edge_group, M.edge_next, tag, xk[1], self._xk[4], self._static_id,
-                           *memo)
+                           *memo, self._witness_args(), self._free_count())
             if j > i:
                 for s in arr[i:j].tolist():
                     t = int(tag[s])

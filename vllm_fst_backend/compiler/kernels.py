@@ -43,7 +43,7 @@ import numpy as np
 
 __all__ = [
     "byte_classes", "byte_classes_exact", "class_trie", "walk_class_trie", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
-    "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
+    "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "witness_verdict", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -1525,19 +1525,127 @@ def memo_put(mkeys, mvals, mused, k0, k1, k2, v):
 
 
 @_jit
-def memo_run(states, start, edge_ptr, edge_group, edge_next, tag, gh, mul, static_id, mkeys, mvals, mused, miss_key):
+def witness_verdict(s, edge_ptr, edge_group, edge_next, tag, wv):
+    """Whether the witness step of :meth:`.canonical_product._Analysis.state_bad` alone clears every class
+    of state s under every lookahead set σ it can hold (then its verdict is None: all good), computed as
+    there: per σ (skipped when s accepts and σ holds END, and σ != ALL unless a whitespace-final token
+    enters s), the witnesses are the tokens ``best[g, l]`` of s's edges (group g, l a lookahead class of σ)
+    whose successor is good for their class, tried in (``est_ban``, id) order, at most ``max_w``; a class is
+    cleared when it does not ban one; a witness no class bans (``est_ban == 0``) clears every class. False
+    as soon as some class is left (or σ has no lookahead class: state_bad then checks rows). The classes
+    of s: its entering classes (``ent_ptr``/``ent_cls`` CSR) or, for a state entered by every class
+    (``ent_wide``), all classes of σ inside or outside a character (``wide_ptr[2σ + mid]`` CSR into
+    ``wide_cls``), each among the classes of ``cls_base`` and ``sigma_cls``. ``wv``: ``(best int32[G, L],
+    tab bool[T, C] (the tag table), tclass, las_ptr int64[nσ+1], las int64[n], est_ban int32[V],
+    bt int32[W, C], max_w, accepting bool[S], ws_in bool[S], mid bool[S], sigma_end bool[nσ],
+    sigma_cls bool[nσ, C], cls_base bool[2, C] (boundary, mid), ent_ptr int64[S+1], ent_cls int64[n],
+    ent_wide bool[S], cand int64[*], keys int64[*], idx int64[C] (the last three: scratch), wide_ptr
+    int64[2nσ+1], wide_cls int64[n])``."""
+    best, tab, tclass, las_ptr, las, est_ban, bt, max_w = wv[0], wv[1], wv[2], wv[3], wv[4], wv[5], wv[6], wv[7]
+    accepting, ws_in, mid, sigma_end, sigma_cls, cls_base = wv[8], wv[9], wv[10], wv[11], wv[12], wv[13]
+    ent_ptr, ent_cls, ent_wide, cand, keys, idx = wv[14], wv[15], wv[16], wv[17], wv[18], wv[19]
+    wide_ptr, wide_cls = wv[20], wv[21]
+    nsig = las_ptr.shape[0] - 1
+    a, b = edge_ptr[s], edge_ptr[s + 1]
+    acc = accepting[s]
+    mrow = 1 if mid[s] else 0
+    wide = ent_wide[s]
+    for i in range(nsig):
+        if acc and sigma_end[i]:
+            continue
+        if i != 0 and not ws_in[s]:
+            continue
+        m = 0  # the classes of s under σ (made for a wide state only when a witness must be tried)
+        if not wide:
+            for x in range(ent_ptr[s], ent_ptr[s + 1]):
+                k = ent_cls[x]
+                if cls_base[mrow, k] and sigma_cls[i, k]:
+                    idx[m] = k
+                    m += 1
+            if m == 0:
+                continue
+        l0, l1 = las_ptr[i], las_ptr[i + 1]
+        if l1 == l0:
+            return False
+        n = 0
+        free = False
+        for e in range(a, b):
+            t = tag[edge_next[e]]
+            g = edge_group[e]
+            for li in range(l0, l1):
+                w = best[g, las[li]]
+                if w < 0:
+                    continue
+                if t != 0 and tab[t, tclass[w]]:
+                    continue
+                if est_ban[w] == 0:
+                    free = True
+                    break
+                if n == cand.shape[0]:
+                    return False
+                cand[n] = w
+                n += 1
+            if free:
+                break
+        if free:
+            continue
+        if wide:
+            c0, c1 = wide_ptr[2 * i + mrow], wide_ptr[2 * i + mrow + 1]
+            m = c1 - c0
+            if m == 0:
+                continue
+            idx[:m] = wide_cls[c0:c1]
+        if n == 0:
+            return False
+        for x in range(n):  # (est_ban, id) order, each once
+            keys[x] = (np.int64(est_ban[cand[x]]) << 32) | cand[x]
+        ks = np.sort(keys[:n])
+        r = 0
+        prev = np.int64(-1)
+        for x in range(n):
+            if ks[x] == prev:
+                continue
+            prev = ks[x]
+            if r == max_w or m == 0:
+                break
+            r += 1
+            w = ks[x] & np.int64(0xFFFFFFFF)
+            wd = w >> 5
+            bit = w & 31
+            j = 0
+            for y in range(m):
+                k = idx[y]
+                if (bt[wd, k] >> bit) & 1:
+                    idx[j] = k
+                    j += 1
+            m = j
+        if m > 0:
+            return False
+    return True
+
+
+@_jit
+def memo_run(states, start, edge_ptr, edge_group, edge_next, tag, gh, mul, static_id, mkeys, mvals, mused, miss_key,
+             wv, n_free):
     """The dead-end analysis over a run of states (:meth:`.canonical_product._Analysis.run`: each one's
     successors decided before it) from ``states[start]`` on, while each state's content key (the static
     part's id ``static_id[s]`` and :func:`content_key`'s two sums, with the successors' current tags) is
-    in the analysis' memo (:func:`memo_put`): its tag is the memo's (``tag[s]`` written). Returns the
-    index of the first state whose key is not there (``len(states)`` when none); its two sums are written
-    to ``miss_key`` (``uint64[2]``)."""
+    in the analysis' memo (:func:`memo_put`): its tag is the memo's (``tag[s]`` written); a state whose key
+    is not there but whose witnesses clear every class (:func:`witness_verdict`, arrays ``wv``) gets tag
+    0 (all good), which the memo keeps (``n_free[0]`` counts them). Returns the index of the first other
+    state (``len(states)`` when none); its two sums are written to ``miss_key`` (``uint64[2]``)."""
     n = states.shape[0]
     for i in range(start, n):
         s = states[i]
         e0, e1 = content_key(s, edge_ptr, edge_group, edge_next, tag, gh, mul)
-        h = _memo_slot(mkeys, mused, np.uint64(static_id[s]), e0, e1)
+        k0 = np.uint64(static_id[s])
+        h = _memo_slot(mkeys, mused, k0, e0, e1)
         if h < 0:
+            if witness_verdict(s, edge_ptr, edge_group, edge_next, tag, wv):
+                tag[s] = 0
+                memo_put(mkeys, mvals, mused, k0, e0, e1, 0)
+                n_free[0] += 1
+                continue
             miss_key[0] = e0
             miss_key[1] = e1
             return i
@@ -1588,8 +1696,12 @@ def warm_up() -> None:
                     np.ones((2, 1), np.uint64))
         mk, mv, mu = np.zeros((4, 3), np.uint64), np.zeros(4, np.int64), np.zeros(4, np.bool_)
         memo_put(mk, mv, mu, np.uint64(1), np.uint64(2), np.uint64(3), 1)
+        b1, b11 = np.zeros(1, np.bool_), np.zeros((1, 1), np.bool_)
+        wv = (np.full((1, 1), -1, np.int32), b11, i32[:1].copy(), np.zeros(2, np.int64), i64[:1].copy(), i32[:1].copy(),
+              np.zeros((1, 1), np.int32), 12, b1, b1, b1, b1, b11, np.zeros((2, 1), np.bool_), np.zeros(2, np.int64),
+              i64[:0], np.ones(1, np.bool_), i64.copy(), i64.copy(), i64.copy(), np.zeros(3, np.int64), i64[:0])
         memo_run(i64[:1], 0, np.array([0, 1], np.int64), i32[:1], i32[:1], i64, np.zeros((2, 1), np.uint64),
-                 np.ones((2, 1), np.uint64), i64, mk, mv, mu, np.zeros(2, np.uint64))
+                 np.ones((2, 1), np.uint64), i64, mk, mv, mu, np.zeros(2, np.uint64), wv, np.zeros(1, np.int64))
         witness_clear(np.zeros((1, 1), np.int32), np.full((1, 1), -1, np.int32), i64[:1], np.zeros((1, 1), np.bool_),
                       i32, i64[:1], i32, 12, i64[:1].copy(), i64[:1].copy())
         group_classes(np.zeros(1, np.int64), np.array([0, 1], np.int64), i64, np.full(2, -1, np.int64), i64[:1],
