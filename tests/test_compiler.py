@@ -575,6 +575,29 @@ def test_byte_classes_kernels_equal_numpy():
         assert want[1] == len(np.unique(t[:, want[0] >= 0], axis=1).T) and (want[0] < 0).sum() == (t < 0).all(0).sum()
 
 
+def test_candidate_groups_kernel_equals_numpy():
+    """Merge candidates of the token DFA's groups (equal pair-set hash triples) numbered in order of first
+    appearance: the hash-table kernel (``kernels.first_keys``) and the numpy path agree, with many and with
+    no repeated keys, and keys differing in one component only stay apart."""
+    from vllm_fst_backend.compiler.token_dfa import _candidate_groups
+
+    rng = np.random.default_rng(5)
+    for n, distinct in ((0, 1), (1, 1), (50, 3), (2000, 40), (2000, 5000)):
+        pick = rng.integers(0, distinct, n)
+        base = rng.integers(0, 2**63, size=(3, distinct), dtype=np.uint64)
+        s1, s2, cnt = base[0][pick], base[1][pick], (base[2][pick] % 7).astype(np.int64)
+        if n > 2:
+            s2[0], s1[1], cnt[2] = s2[0] ^ np.uint64(1), s1[1] ^ np.uint64(1), cnt[2] + 1  # one component off
+        present = np.sort(rng.choice(3 * n + 1, size=n, replace=False)).astype(np.int64)
+        fast = _candidate_groups(s1, s2, cnt, present, 3 * n + 1, True)
+        ref = _candidate_groups(s1, s2, cnt, present, 3 * n + 1, False)
+        assert np.array_equal(fast[0], ref[0]) and np.array_equal(fast[1], ref[1]) and fast[2] == ref[2]
+        keys = list(zip(s1.tolist(), s2.tolist(), cnt.tolist()))
+        assert fast[2] == len(set(keys))
+        order = list(dict.fromkeys(keys))  # (first appearance)
+        assert fast[0].tolist() == [order.index(k) for k in keys]
+
+
 def test_token_dfa_numba_budgets_and_empty(built_artifacts):
     """Both backends raise the same typed errors: past deadline, too many states or transitions, and an
     empty token language (a vocabulary that cannot spell the regex)."""

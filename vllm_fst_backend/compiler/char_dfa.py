@@ -572,34 +572,13 @@ def _read_vector_fst(data: bytes) -> tuple[list[dict], list[bool]]:
     take(8)  # properties
     start, S = take_int(8), take_int(8)
     take(8)  # arc count
-    words = np.frombuffer(data[pos:], dtype=np.int32).tolist()  # (data[pos:] is a copy: aligned)
-    first = [0] * S  # each state's first arc word
-    narcs = [0] * S
-    w = 0
-    for s in range(S):
-        n = words[w + 1]  # (int64 arc count: its high word is 0)
-        first[s] = w + 3
-        narcs[s] = n
-        w += 3 + 4 * n
-    fin = [words[f - 3] != _FST_INF_BITS for f in first]
-    new = [-1] * S
-    new[start] = 0
-    order = [start]
-    k = 0
-    while k < len(order):
-        s = order[k]
-        k += 1
-        f0 = first[s]
-        for t in words[f0 + 3 : f0 + 4 * narcs[s] : 4]:
-            if new[t] < 0:
-                new[t] = len(order)
-                order.append(t)
-    out_trans: list[dict] = []
-    for s in order:
-        f0 = first[s]
-        f1 = f0 + 4 * narcs[s]
-        out_trans.append(dict(zip([x - 1 for x in words[f0:f1:4]], [new[t] for t in words[f0 + 3 : f1 : 4]])))
-    return out_trans, [fin[s] for s in order]
+    from . import kernels
+
+    words = np.frombuffer(data[pos:], dtype=np.int32).copy()  # (aligned, writable: the kernel's signature)
+    ptr, label, target, final, n = kernels.vector_fst_arcs(words, start, S)
+    p, lab, tgt = ptr.tolist(), label.tolist(), target.tolist()
+    out_trans = [dict(zip(lab[p[i] : p[i + 1]], tgt[p[i] : p[i + 1]])) for i in range(int(n))]
+    return out_trans, final.tolist()
 
 
 def minimize_reference(trans: list[dict], final: list[bool]) -> tuple[list[dict], list[bool]]:

@@ -42,7 +42,7 @@ import numba
 import numpy as np
 
 __all__ = [
-    "byte_classes", "byte_classes_exact", "class_trie", "walk_class_trie", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
+    "byte_classes", "byte_classes_exact", "first_keys", "vector_fst_arcs", "class_trie", "walk_class_trie", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
     "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "witness_verdict", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
@@ -129,6 +129,82 @@ def byte_classes(table):
     if not ok:  # a hash collision
         return byte_classes_exact(table)
     return bcls, K, rep[:K].copy()
+
+
+@_jit
+def vector_fst_arcs(words, start, S):
+    """The states and arcs of an OpenFst ``VectorFst`` acceptor from the int32 words after its header
+    (:func:`.char_dfa._read_vector_fst`: per state its final weight, its arc count as int64 and 4 words
+    per arc: ilabel, olabel, weight, next state), renumbered in BFS order from ``start``, arcs in their
+    stored order: ``(ptr int64[S+1], label int32[E] (ilabel - 1), target int32[E], final bool[S],
+    n_reached)`` (``final``: weight != +inf)."""
+    first = np.empty(S, np.int64)
+    narcs = np.empty(S, np.int64)
+    w = 0
+    for s in range(S):
+        first[s] = w + 3
+        narcs[s] = words[w + 1]  # (the int64 count's high word is 0)
+        w += 3 + 4 * narcs[s]
+    new = np.full(S, -1, np.int64)
+    order = np.empty(S, np.int64)
+    new[start] = 0
+    order[0] = start
+    n = 1
+    k = 0
+    while k < n:
+        s = order[k]
+        k += 1
+        for a in range(narcs[s]):
+            t = words[first[s] + 4 * a + 3]
+            if new[t] < 0:
+                new[t] = n
+                order[n] = t
+                n += 1
+    E = 0
+    for x in range(n):
+        E += narcs[order[x]]
+    ptr = np.zeros(n + 1, np.int64)
+    label = np.empty(E, np.int32)
+    target = np.empty(E, np.int32)
+    final = np.empty(n, np.bool_)
+    e = 0
+    for x in range(n):
+        s = order[x]
+        final[x] = words[first[s] - 3] != 0x7F800000
+        for a in range(narcs[s]):
+            label[e] = words[first[s] + 4 * a] - 1
+            target[e] = new[words[first[s] + 4 * a + 3]]
+            e += 1
+        ptr[x + 1] = e
+    return ptr, label, target, final, n
+
+
+@_jit
+def first_keys(k0, k1, k2):
+    """Distinct keys ``(k0[i], k1[i], k2[i])`` (``uint64``, ``uint64``, ``int64``) numbered in order of first
+    appearance: ``(inv int64[n], n_distinct)``. Open addressing, linear probing (:func:`.token_dfa._candidate_groups`)."""
+    n = k0.shape[0]
+    cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    slot = np.full(cap, -1, np.int64)
+    inv = np.empty(n, np.int64)
+    m = 0
+    for i in range(n):
+        h = (k0[i] * np.uint64(0x9E3779B97F4A7C15)) ^ k1[i] ^ (np.uint64(k2[i]) * np.uint64(0xBF58476D1CE4E5B9))
+        j = np.int64((h ^ (h >> np.uint64(31))) & np.uint64(cap - 1))
+        while True:
+            r = slot[j]
+            if r < 0:
+                slot[j] = i
+                inv[i] = m
+                m += 1
+                break
+            if k0[r] == k0[i] and k1[r] == k1[i] and k2[r] == k2[i]:
+                inv[i] = inv[r]
+                break
+            j = (j + 1) & (cap - 1)
+    return inv, m
 
 
 @_jit
@@ -1671,6 +1747,8 @@ def warm_up() -> None:
         table = np.full((1, 256), -1, np.int32)
         byte_classes(table)
         byte_classes_exact(table)
+        first_keys(np.zeros(2, np.uint64), np.zeros(2, np.uint64), i64)
+        vector_fst_arcs(np.array([0x7F800000, 0, 0], np.int32), 0, 1)
         no_kids = np.zeros(0, np.int32)
         h, sums = np.zeros((6, 1), np.uint64), np.zeros((2, 1), np.uint64)
         walk_class_trie(np.array([1, 1], np.int64), no_kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, False, h, sums,

@@ -638,7 +638,7 @@ class _FusedWalk:
         newg = np.arange(G, dtype=np.int64)
         present = np.flatnonzero(cnt)
         if len(present) and G > 1:
-            inv, cand, n_new = _candidate_groups(s1[present], s2[present], cnt[present], present, G)
+            inv, cand, n_new = _candidate_groups(s1[present], s2[present], cnt[present], present, G, True)
             if n_new < len(present):
                 newg = cand
                 tg = np.where(token_group >= 0, newg[np.maximum(token_group, 0)], -1)
@@ -694,17 +694,31 @@ class _FusedWalk:
         return np.concatenate(out_s), np.concatenate(out_g), np.concatenate(out_n), token_group, G
 
 
-def _candidate_groups(s1, s2, cnt, groups_present, G):
-    """Candidate merged groups from the per-group pair-set hashes ``(s1, s2, cnt)`` (``int64[n]`` each,
-    for the groups ``groups_present``): ``(inv int64[n] new id per present group, newg int64[G] new id per
-    old group or -1, n_new)``. Equal hashes are only candidates: the callers verify them."""
-    o = np.lexsort((cnt, s2, s1))
-    diff = np.concatenate([[True], (s1[o][1:] != s1[o][:-1]) | (s2[o][1:] != s2[o][:-1]) | (cnt[o][1:] != cnt[o][:-1])])
-    inv = np.empty(len(o), dtype=np.int64)
-    inv[o] = np.cumsum(diff) - 1
+def _candidate_groups(s1, s2, cnt, groups_present, G, fast: bool = True):
+    """Candidate merged groups from the per-group pair-set hashes ``(s1, s2, cnt)`` (``uint64[n]``,
+    ``uint64[n]``, ``int64[n]``, for the groups ``groups_present``): ``(inv int64[n] new id per present
+    group, newg int64[G] new id per old group or -1, n_new)``, new ids in order of first appearance.
+    Equal hashes are only candidates: the callers verify them. ``fast``: one pass through a hash table
+    (:func:`.kernels.first_keys`); else numpy (``np.unique`` of the triples)."""
+    n = len(s1)
+    if fast:
+        from . import kernels
+
+        inv, n_new = kernels.first_keys(np.ascontiguousarray(s1, dtype=np.uint64), np.ascontiguousarray(s2, dtype=np.uint64),
+                                        np.ascontiguousarray(cnt, dtype=np.int64))
+        n_new = int(n_new)
+    elif n:
+        keys = np.empty(n, dtype=[("a", "<u8"), ("b", "<u8"), ("c", "<i8")])
+        keys["a"], keys["b"], keys["c"] = s1, s2, cnt
+        _, first, inv0 = np.unique(keys, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
+        inv, n_new = rank[inv0.reshape(-1)], len(first)
+    else:
+        inv, n_new = np.zeros(0, dtype=np.int64), 0
     newg = np.full(G, -1, dtype=np.int64)
     newg[groups_present] = inv
-    return inv, newg, (int(inv.max()) + 1 if len(inv) else 0)
+    return inv, newg, n_new
 
 
 def _edge_order(es: np.ndarray, eg: np.ndarray, S: int, G: int) -> np.ndarray:
@@ -752,7 +766,7 @@ def _merge_groups_numpy(es, eg, en, token_group, G, n_states, skey):
     s1 = np.add.reduceat(h1[order], starts)
     s2 = np.add.reduceat(h2[order], starts)
     cnt = np.diff(np.concatenate([starts, [len(order)]]))
-    inv, newg, n_new = _candidate_groups(s1, s2, cnt, groups_present, G)
+    inv, newg, n_new = _candidate_groups(s1, s2, cnt, groups_present, G, False)
     if n_new == len(groups_present):
         return es, eg, en, token_group, G
     # verify: within each merged group every member has exactly the same pair set
