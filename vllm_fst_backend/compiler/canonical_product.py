@@ -2400,12 +2400,14 @@ def _append_rows(buf: np.ndarray, n: int, rows: np.ndarray) -> np.ndarray:
 def _signatures(an: _Analysis) -> np.ndarray:
     """``int32[S]``: the signature of each regex state, numbered from 0 in order of first appearance:
     states with equal (edge groups, successor tags) have equal base rows and special-token tables
-    (:func:`.kernels.signatures`; with ``use_kernels`` off, :func:`_signatures_reference`)."""
+    (:func:`.kernels.signatures`; with ``use_kernels`` off or on a hash collision, :func:`_signatures_reference`)."""
     M = an.M
     if not an.use_kernels:
         return _signatures_reference(an)
-    return _kernels().signatures(np.ascontiguousarray(M.edge_ptr, dtype=np.int64), np.ascontiguousarray(M.edge_group, dtype=np.int32),
-                                 np.ascontiguousarray(an.tag[M.edge_next], dtype=np.int64))
+    out = _kernels().signatures(np.ascontiguousarray(M.edge_ptr, dtype=np.int64),
+                                np.ascontiguousarray(M.edge_group, dtype=np.int32),
+                                np.ascontiguousarray(an.tag[M.edge_next], dtype=np.int64))
+    return _signatures_reference(an) if out is None else out  # (None: a hash collision)
 
 
 def _signatures_reference(an: _Analysis) -> np.ndarray:

@@ -55,29 +55,28 @@ _jit = numba.njit(cache=True, nogil=True)
 
 
 @_jit
-def byte_classes_exact(table):
-    """:func:`byte_classes` by comparing every live byte's column in full with each class' representative
-    (no hashing; O(256 · K · n), strided reads: its fallback on a hash collision)."""
+def _byte_class_ids(table, h, live, exact):
+    """The classes of the live bytes (``live: bool[256]``) in order of their smallest byte: a byte joins the
+    first class whose representative has its hash (``h: uint64[256]``), or, with ``exact``, its whole column
+    of ``table``. ``(bcls int32[256], K, rep int32[K])`` as :func:`byte_classes`."""
     n = table.shape[0]
     bcls = np.full(256, -1, np.int32)
     rep = np.empty(256, np.int32)
     K = 0
     for b in range(256):
-        live = False
-        for r in range(n):
-            if table[r, b] >= 0:
-                live = True
-                break
-        if not live:
+        if not live[b]:
             continue
         found = -1
         for k in range(K):
             c = rep[k]
-            same = True
-            for r in range(n):
-                if table[r, c] != table[r, b]:
-                    same = False
-                    break
+            if exact:
+                same = True
+                for r in range(n):
+                    if table[r, c] != table[r, b]:
+                        same = False
+                        break
+            else:
+                same = h[c] == h[b]
             if same:
                 found = k
                 break
@@ -87,6 +86,18 @@ def byte_classes_exact(table):
             K += 1
         bcls[b] = found
     return bcls, K, rep[:K].copy()
+
+
+@_jit
+def byte_classes_exact(table):
+    """:func:`byte_classes` by comparing every live byte's column in full with each class' representative
+    (no hashing; O(256 · K · n), strided reads: its fallback on a hash collision)."""
+    live = np.zeros(256, np.bool_)
+    for r in range(table.shape[0]):
+        for b in range(256):
+            if table[r, b] >= 0:
+                live[b] = True
+    return _byte_class_ids(table, np.zeros(256, np.uint64), live, True)
 
 
 @_jit
@@ -105,30 +116,12 @@ def byte_classes(table):
             v = table[r, b]
             h[b] = h[b] * np.uint64(0x100000001B3) + np.uint64(v + 2)
             top[b] = max(top[b], v)
-    bcls = np.full(256, -1, np.int32)
-    rep = np.empty(256, np.int32)
-    K = 0
-    for b in range(256):  # classes by hash
-        if top[b] < 0:
-            continue
-        found = -1
-        for k in range(K):
-            if h[rep[k]] == h[b]:
-                found = k
-                break
-        if found < 0:
-            rep[K] = b
-            found = K
-            K += 1
-        bcls[b] = found
-    ok = True
+    bcls, K, rep = _byte_class_ids(table, h, top >= 0, False)
     for r in range(n):  # verified in one pass over the rows
         for b in range(256):
             if bcls[b] >= 0 and table[r, b] != table[r, rep[bcls[b]]]:
-                ok = False
-    if not ok:  # a hash collision
-        return byte_classes_exact(table)
-    return bcls, K, rep[:K].copy()
+                return byte_classes_exact(table)  # a hash collision
+    return bcls, K, rep
 
 
 @_jit
@@ -1515,40 +1508,37 @@ _WARM_LOCK = threading.Lock()
 def signatures(edge_ptr, edge_group, edge_tag):
     """:func:`.canonical_product._signatures`: ``int32[S]``, each state's number among the distinct
     sequences (edge groups, successor tags) of its edges (``edge_ptr int64[S+1]``, ``edge_group int32[E]``,
-    ``edge_tag int64[E]``), numbered in order of first appearance. A hash per state into an open-addressing
-    table of representatives; equal hashes are compared edge by edge, so the numbering is exact."""
+    ``edge_tag int64[E]``), numbered in order of first appearance; ``None`` when two different sequences
+    share their hashes (the caller then numbers them without hashing). Two hashes and the edge count per
+    state, numbered by :func:`first_keys`, then every state compared edge by edge with the first of its
+    number."""
     S = edge_ptr.shape[0] - 1
-    cap = 16
-    while cap < 2 * S:
-        cap *= 2
-    slot = np.full(cap, -1, np.int64)
-    out = np.empty(S, np.int32)
-    n_sig = 0
+    h1 = np.empty(S, np.uint64)
+    h2 = np.empty(S, np.uint64)
+    cnt = np.empty(S, np.int64)
     for s in range(S):
         a, b = edge_ptr[s], edge_ptr[s + 1]
-        h = np.uint64(0xCBF29CE484222325) ^ np.uint64(b - a)
+        x = np.uint64(0xCBF29CE484222325)
+        y = np.uint64(0x84222325CBF29CE4)
         for e in range(a, b):
-            h = (h ^ np.uint64(edge_group[e])) * np.uint64(0x100000001B3)
-            h = (h ^ np.uint64(edge_tag[e])) * np.uint64(0x100000001B3)
-        i = np.int64(h & np.uint64(cap - 1))
-        while True:
-            r = slot[i]
-            if r < 0:
-                slot[i] = s
-                out[s] = n_sig
-                n_sig += 1
-                break
-            ra, rb = edge_ptr[r], edge_ptr[r + 1]
-            if rb - ra == b - a:
-                same = True
-                for k in range(b - a):
-                    if edge_group[ra + k] != edge_group[a + k] or edge_tag[ra + k] != edge_tag[a + k]:
-                        same = False
-                        break
-                if same:
-                    out[s] = out[r]
-                    break
-            i = (i + 1) & (cap - 1)
+            x = (x ^ np.uint64(edge_group[e])) * np.uint64(0x100000001B3)
+            x = (x ^ np.uint64(edge_tag[e])) * np.uint64(0x100000001B3)
+            y = (y + np.uint64(edge_group[e]) * np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
+            y = y ^ (np.uint64(edge_tag[e]) * np.uint64(0x94D049BB133111EB))
+        h1[s], h2[s], cnt[s] = x, y, b - a
+    inv, m = first_keys(h1, h2, cnt)
+    first = np.full(m, -1, np.int64)
+    out = np.empty(S, np.int32)
+    for s in range(S):
+        r = first[inv[s]]
+        out[s] = inv[s]
+        if r < 0:
+            first[inv[s]] = s
+            continue
+        ra, a = edge_ptr[r], edge_ptr[s]
+        for k in range(edge_ptr[s + 1] - a):
+            if edge_group[ra + k] != edge_group[a + k] or edge_tag[ra + k] != edge_tag[a + k]:
+                return None
     return out
 
 
