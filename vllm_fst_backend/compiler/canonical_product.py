@@ -1577,6 +1577,7 @@ class _Analysis:
                     raise CompileBudgetError("canonical dead-end analysis did not converge", None)
             self._inner_memo.clear()
         self._tag_of_obj, self._pinned = {}, []  # (the tables set during the run; bad[] keeps the final ones)
+        self._wv = None  # (its scratch and class lists serve the run only; not kept with the automaton)
 
     def _witness_args(self) -> tuple:
         """The arrays of :func:`.kernels.witness_verdict` (the tag table as it is now: it grows)."""

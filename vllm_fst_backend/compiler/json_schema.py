@@ -203,13 +203,14 @@ PATTERN_SEARCH_S = 0.5
 EXTRA_KEY_PREFIX = 3
 
 #: Leading optional properties of one object (those before the first required one) are written as a
-#: chain ``((m1(, m2)?|m2)(, m3)?|m3)...`` of at most this many members, or of at most this many blocks,
-#: each a chain of its own (recursively): a chain adds a group nesting level per member after the first
-#: and writes those members twice, so n members nest about 3 log4(n) groups deep and are written about
-#: sqrt(n) times; the character DFA builds each member's positions once (:func:`.regex_parse.optional_tail`).
-#: A member longer than :data:`BIG_MEMBER_CHARS` (a nested object, say) that is at least as long as its
-#: siblings together is written once (they get a few copies more), so a chain of nested all-optional
-#: objects grows linearly, not exponentially.
+#: chain ``((b1(, b2)?|b2)(, b3)?|b3)...`` of about this many blocks of consecutive members, each block one
+#: member or a chain of its own blocks (recursively): a chain adds a group nesting level per part after
+#: the first and writes those parts twice, so n small members nest about 3 log4(n) groups deep and are
+#: written about sqrt(n) times; the character DFA builds each member's positions once
+#: (:func:`.regex_parse.optional_tail`). A member longer than :data:`BIG_MEMBER_CHARS` (a nested object,
+#: say) starts a block (at most 2 copies), and is written once when it is at least as long as its
+#: siblings together (they get a few copies more), so a chain of nested all-optional objects grows
+#: linearly, not exponentially.
 OPTIONAL_BLOCKS = 4
 BIG_MEMBER_CHARS = 200
 
@@ -1773,9 +1774,8 @@ class _Converter:
     def some_of(self, members: list[_R]) -> _R | None:
         """Non-empty comma-separated subsequences of optional ``members`` (in order). A member that is big
         and at least as long as all the others together is written once: (some of those before ",")? BIG
-        (", " later one)? ... | some of the others. Otherwise a chain (:meth:`chain`) of at most
-        :data:`OPTIONAL_BLOCKS` members, or of that many blocks, each the same construction of its
-        members."""
+        (", " later one)? ... | some of the others. Otherwise a chain (:meth:`chain`) of blocks
+        (:meth:`optional_blocks`), each one member or the same construction of its members."""
         self.tick()
         rx, sep = self.rx, self.sep
         if not members:
@@ -1787,10 +1787,20 @@ class _Converter:
             with_p = rx.cat(rx.opt(None if before is None else rx.cat(before, sep)), members[p],
                             *[rx.opt(rx.cat(sep, m)) for m in members[p + 1 :]])
             return rx.alt([with_p, self.some_of(members[:p] + members[p + 1 :])])
-        if len(members) <= OPTIONAL_BLOCKS:
-            return self.chain(members)
-        size = -(-len(members) // OPTIONAL_BLOCKS)
-        return self.chain([self.some_of(members[i : i + size]) for i in range(0, len(members), size)])
+        blocks = self.optional_blocks(members)
+        return self.chain([blk[0] if len(blk) == 1 else self.some_of(blk) for blk in blocks])
+
+    @staticmethod
+    def optional_blocks(members: list[_R]) -> list[list[_R]]:
+        """Consecutive blocks of at most ceil(n / OPTIONAL_BLOCKS) members; a big member starts a block
+        (so that it is written at most twice)."""
+        size = max(1, -(-len(members) // OPTIONAL_BLOCKS))
+        blocks: list[list[_R]] = []
+        for m in members:
+            if not blocks or len(blocks[-1]) >= size or len(m.text) > BIG_MEMBER_CHARS:
+                blocks.append([])
+            blocks[-1].append(m)
+        return blocks
 
     def chain(self, parts: list[_R]) -> _R:
         """``S_1 = P_1``, ``S_k = (S_{k-1}(, P_k)?|P_k)``: the non-empty comma-separated subsequences of the
