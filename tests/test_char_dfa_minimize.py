@@ -160,45 +160,27 @@ SEPARATED = [json_schema_to_regex(TOOLS_REQUIRED), json_schema_to_regex(SCHEMAS[
              r"(ab|c)(,(ab|c))*;(x(y|z)[0-9])( x(y|z)[0-9])*"]
 
 
-@pytest.mark.parametrize("regex", SEPARATED, ids=[f"sep{i}" for i in range(len(SEPARATED))])
-def test_separated_lists_built_once_keep_the_minimal_dfa(regex, monkeypatch):
-    """``X (S X)*`` is built with one copy of X (``_Glushkov.share_separated_lists``): the subset
-    construction makes fewer states, and the minimal DFA is the same, transition for transition, as
-    with two copies."""
-    import vllm_fst_backend.compiler.char_dfa as cd
-
-    raw = {}
-    for share in (None, True, False):  # (None: the default, which shares)
-        if share is not None:
-            monkeypatch.setattr(cd._Glushkov, "share_separated_lists", share)
-        seen = []
-        monkeypatch.setattr(cd, "minimize", lambda t, f: seen.append(len(t)) or minimize(t, f))
-        dfa = regex_to_char_dfa(regex, max_states=100_000)
-        raw[share] = (seen[0], dfa.trans, dfa.final, dfa.classes)
-    assert raw[None] == raw[True]
-    assert raw[True][0] < raw[False][0]
-    assert raw[True][1:] == raw[False][1:]
-
-
 OPTIONAL_TAILS = [
     json_schema_to_regex({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 6} for i in range(9)}}),
     json_schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object", "properties": {
         "c": {"type": "string"}, "d": {"enum": [1, 2]}}}, "e": {"type": "boolean"}}, "required": ["e"]}),
     r"(ab(, ?cd)?|cd)x(y(;z+)?|z+)",
 ]
+SHARED = [("share_separated_lists", rx) for rx in SEPARATED] + [("share_optional_tails", rx) for rx in OPTIONAL_TAILS]
 
 
-@pytest.mark.parametrize("regex", OPTIONAL_TAILS, ids=[f"tail{i}" for i in range(len(OPTIONAL_TAILS))])
-def test_optional_tails_built_once_keep_the_minimal_dfa(regex, monkeypatch):
-    """``X (S M)? | M`` is built with one copy of M (``_Glushkov.share_optional_tails``; the converter's
-    leading optional properties are chains of it): the subset construction makes fewer states, and the
-    minimal DFA is the same, transition for transition, as with two copies."""
+@pytest.mark.parametrize("switch,regex", SHARED, ids=[f"{sw.split('_')[1]}{i}" for i, (sw, _) in enumerate(SHARED)])
+def test_shared_positions_keep_the_minimal_dfa(switch, regex, monkeypatch):
+    """``X (S X)*`` is built with one copy of X (``_Glushkov.share_separated_lists``) and ``X (S M)? | M``
+    with one copy of M (``_Glushkov.share_optional_tails``; the converter's leading optional properties
+    are chains of it): the subset construction makes fewer states, and the minimal DFA is the same,
+    transition for transition, as with two copies."""
     import vllm_fst_backend.compiler.char_dfa as cd
 
     raw = {}
     for share in (None, True, False):  # (None: the default, which shares)
         if share is not None:
-            monkeypatch.setattr(cd._Glushkov, "share_optional_tails", share)
+            monkeypatch.setattr(cd._Glushkov, switch, share)
         seen = []
         monkeypatch.setattr(cd, "minimize", lambda t, f: seen.append(len(t)) or minimize(t, f))
         dfa = regex_to_char_dfa(regex, max_states=100_000, max_positions=10**6)
