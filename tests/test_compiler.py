@@ -1033,7 +1033,7 @@ def test_witness_verdicts_of_the_compiled_run_are_exact(fst_artifacts, monkeypat
                                "days": {"type": "integer", "minimum": 1, "maximum": 14}}, ["city"])
     for regex in (schema_rx, _SMALL_OBJECT):
         cp, fast, ref = _analysis_pair(arts, regex, monkeypatch)
-        assert fast._free_count()[0] > 0, regex
+        assert fast._n_free[0] > 0, regex
         M = fast.M
         n_true = 0
         for s in range(M.num_states):

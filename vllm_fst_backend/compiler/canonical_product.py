@@ -596,6 +596,7 @@ class _Analysis:
         self._xk = None  # (verdict cache, group hashes, per-state entering-class sums, tag multipliers)
         self._xstatic = None  # (uint64[S, 3] per state: the part of its content key made once, _xkey_init)
         self._wv = None  # (the arrays of kernels.witness_verdict, _witness_args)
+        self._memo_tab = None  # (the run's memo of content keys, _run_singles)
         self._n_free = np.zeros(1, np.int64)  # (states kernels.memo_run found all good by their witnesses)
         self._tag_of_obj: dict = {}  # id(table) -> tag (_set)
         self._pinned: list = []  # (those tables, kept alive)
@@ -1380,12 +1381,8 @@ class _Analysis:
         # the candidate classes, as sorted ids: those that can be the last token's class here
         mid = bool(self.mid[s])
         base = H.cls_mid if mid else H.cls_boundary
-        if ent is None:  # every class: the lists per σ memoized (Tekken: ~45k classes, two gathers each)
-            per_sig = self._cls_ids.get(mid)
-            if per_sig is None:
-                all_ids = np.flatnonzero(base)
-                per_sig = self._cls_ids[mid] = [all_ids] + [all_ids[H.sigma_cls[i][all_ids]]
-                                                            for i in range(1, self.nsig)]
+        if ent is None:  # every class
+            per_sig = self._class_ids(mid)
         else:
             idx0 = ent[base[ent]]
             per_sig = None
@@ -1581,7 +1578,7 @@ class _Analysis:
 
     def _witness_args(self) -> tuple:
         """The arrays of :func:`.kernels.witness_verdict` (the tag table as it is now: it grows)."""
-        wv = getattr(self, "_wv", None)
+        wv = self._wv
         if wv is None:
             H, S = self.H, self.M.num_states
             las_ptr = np.zeros(self.nsig + 1, np.int64)
@@ -1597,30 +1594,28 @@ class _Analysis:
                              np.ascontiguousarray(self.M.accepting, dtype=bool), self.ws_in, self.mid, H.sigma_end,
                              np.ascontiguousarray(H.sigma_cls), np.stack([H.cls_boundary, H.cls_mid]),
                              np.ascontiguousarray(ent_ptr, dtype=np.int64), np.ascontiguousarray(ent_cls, dtype=np.int64),
-                             np.ascontiguousarray(ent_wide, dtype=bool), np.empty(4096, np.int64),
-                             np.empty(4096, np.int64), np.empty(H.C, np.int64), *self._wide_classes()]
+                             np.ascontiguousarray(ent_wide, dtype=bool), np.empty(H.C, np.int64),
+                             *self._wide_classes()]
         wv[1] = self._tag_table()
         return tuple(wv)
 
+    def _class_ids(self, mid: bool) -> list:
+        """Per σ, the sorted ids (``int64``) of the classes :meth:`state_bad` decides at a state entered by
+        every class: those of ``H.cls_mid`` (inside a character) or ``H.cls_boundary`` in ``sigma_cls[σ]``.
+        Memoized (Tekken: ~45k classes, two gathers each)."""
+        per_sig = self._cls_ids.get(mid)
+        if per_sig is None:
+            H = self.H
+            all_ids = np.flatnonzero(H.cls_mid if mid else H.cls_boundary)
+            per_sig = self._cls_ids[mid] = [all_ids] + [all_ids[H.sigma_cls[i][all_ids]] for i in range(1, self.nsig)]
+        return per_sig
+
     def _wide_classes(self) -> tuple[np.ndarray, np.ndarray]:
-        """CSR ``(ptr int64[2nσ+1], classes int64[n])``: row ``2σ + mid`` = the classes :meth:`state_bad`
-        decides at a state entered by every class (outside / inside a character) under σ, as its
-        ``per_sig`` lists."""
-        H = self.H
-        rows = []
-        for i in range(self.nsig):
-            for base in (H.cls_boundary, H.cls_mid):
-                rows.append(np.flatnonzero(base & H.sigma_cls[i]).astype(np.int64))
+        """:meth:`_class_ids` as one CSR ``(ptr int64[2nσ+1], classes int64[n])``: row ``2σ + mid``."""
+        rows = [self._class_ids(mid)[i] for i in range(self.nsig) for mid in (False, True)]
         ptr = np.zeros(len(rows) + 1, np.int64)
         np.cumsum([len(r) for r in rows], out=ptr[1:])
-        return ptr, np.concatenate(rows) if rows else np.zeros(0, np.int64)
-
-    def _free_count(self) -> np.ndarray:
-        """``int64[1]``: states :func:`.kernels.memo_run` found all good by their witnesses alone."""
-        n = getattr(self, "_n_free", None)
-        if n is None:
-            n = self._n_free = np.zeros(1, np.int64)
-        return n
+        return ptr, np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
 
     def _run_singles(self, states: np.ndarray) -> None:
         """:meth:`run` for consecutive single-state components (``states``: ``int64``) in order (each one's successors decided
@@ -1633,7 +1628,7 @@ class _Analysis:
         K = _kernels()
         M = self.M
         xk = self._xk if self._xk is not None else self._xkey_init()
-        memo = getattr(self, "_memo_tab", None)
+        memo = self._memo_tab
         if memo is None:
             cap = 1 << max(4, int(2 * M.num_states).bit_length())  # (at least twice the keys it can hold)
             memo = self._memo_tab = (np.zeros((cap, 3), np.uint64), np.zeros(cap, np.int64), np.zeros(cap, bool),
@@ -1644,7 +1639,7 @@ class _Analysis:
         i, n = 0, len(arr)
         while i < n:
             j = K.memo_run(arr, i, M.edge_ptr, M.edge_group, M.edge_next, tag, xk[1], self._xk[4], self._static_id,
-                           *memo, self._witness_args(), self._free_count())
+                           *memo, self._witness_args(), self._n_free)
             if j > i:
                 for s in arr[i:j].tolist():
                     t = int(tag[s])

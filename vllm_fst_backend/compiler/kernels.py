@@ -1139,7 +1139,7 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx, out):
     ``len(idx)``; ``idx`` itself is allowed), in order."""
     E = wc.shape[0]
     n = 0
-    cand = np.empty(E * las.shape[0], np.int64)
+    cand = np.empty(E * las.shape[0], np.int64)  # (est_ban << 32 | w: sorts in the order they are tried)
     for e in range(E):
         t = tt[e]
         for li in range(las.shape[0]):
@@ -1148,24 +1148,28 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx, out):
                 continue
             if t != 0 and tab[t, tclass[w]]:
                 continue
-            cand[n] = w
+            if est_ban[w] == 0:  # a token no class bans: every class is cleared
+                return 0
+            cand[n] = (np.int64(est_ban[w]) << 32) | w
             n += 1
     m = idx.shape[0]
     if n == 0:
         for i in range(m):
             out[i] = idx[i]
         return m
-    u = np.unique(cand[:n])
-    order = np.argsort(est_ban[u], kind="mergesort")
-    if est_ban[u[order[0]]] == 0:  # a token no class bans: every class is cleared
-        return 0
-    nw = min(max_w, u.shape[0])
-    for r in range(nw):
-        if m == 0:
+    keys = cand[:n]
+    keys.sort()
+    r = 0
+    prev = np.int64(-1)
+    for x in range(n):
+        if keys[x] == prev:  # (each witness once)
+            continue
+        prev = keys[x]
+        if r == max_w or m == 0:
             break
-        x = u[order[r]]
-        wd = x >> 5
-        bit = x & 31
+        w = keys[x] & np.int64(0xFFFFFFFF)
+        wd = w >> 5
+        bit = w & 31
         j = 0
         for i in range(m):
             k = idx[i] if r == 0 else out[i]
@@ -1173,6 +1177,7 @@ def witness_clear(bt, wc, tt, tab, tclass, las, est_ban, max_w, idx, out):
                 out[j] = k
                 j += 1
         m = j
+        r += 1
     return m
 
 
@@ -1595,97 +1600,43 @@ def witness_verdict(s, edge_ptr, edge_group, edge_next, tag, wv):
     """Whether the witness step of :meth:`.canonical_product._Analysis.state_bad` alone clears every class
     of state s under every lookahead set σ it can hold (then its verdict is None: all good), computed as
     there: per σ (skipped when s accepts and σ holds END, and σ != ALL unless a whitespace-final token
-    enters s), the witnesses are the tokens ``best[g, l]`` of s's edges (group g, l a lookahead class of σ)
-    whose successor is good for their class, tried in (``est_ban``, id) order, at most ``max_w``; a class is
-    cleared when it does not ban one; a witness no class bans (``est_ban == 0``) clears every class. False
-    as soon as some class is left (or σ has no lookahead class: state_bad then checks rows). The classes
-    of s: its entering classes (``ent_ptr``/``ent_cls`` CSR) or, for a state entered by every class
-    (``ent_wide``), all classes of σ inside or outside a character (``wide_ptr[2σ + mid]`` CSR into
-    ``wide_cls``), each among the classes of ``cls_base`` and ``sigma_cls``. ``wv``: ``(best int32[G, L],
-    tab bool[T, C] (the tag table), tclass, las_ptr int64[nσ+1], las int64[n], est_ban int32[V],
-    bt int32[W, C], max_w, accepting bool[S], ws_in bool[S], mid bool[S], sigma_end bool[nσ],
-    sigma_cls bool[nσ, C], cls_base bool[2, C] (boundary, mid), ent_ptr int64[S+1], ent_cls int64[n],
-    ent_wide bool[S], cand int64[*], keys int64[*], idx int64[C] (the last three: scratch), wide_ptr
-    int64[2nσ+1], wide_cls int64[n])``."""
+    enters s), :func:`witness_clear` with the witness table's rows of s's edge groups and the tags of
+    their targets. False as soon as some class is left (or σ has no lookahead class: state_bad then
+    checks rows). The classes of s: its entering classes (``ent_ptr``/``ent_cls`` CSR) or, for a state
+    entered by every class (``ent_wide``), all classes of σ inside or outside a character
+    (``wide_ptr[2σ + mid]`` CSR into ``wide_cls``), each among the classes of ``cls_base`` and
+    ``sigma_cls``. ``wv``: ``(best int32[G, L], tab bool[T, C] (the tag table), tclass, las_ptr int64[nσ+1],
+    las int64[n], est_ban int32[V], bt int32[W, C], max_w, accepting bool[S], ws_in bool[S], mid bool[S],
+    sigma_end bool[nσ], sigma_cls bool[nσ, C], cls_base bool[2, C] (boundary, mid), ent_ptr int64[S+1],
+    ent_cls int64[n], ent_wide bool[S], buf int64[C] (scratch), wide_ptr int64[2nσ+1], wide_cls int64[n])``."""
     best, tab, tclass, las_ptr, las, est_ban, bt, max_w = wv[0], wv[1], wv[2], wv[3], wv[4], wv[5], wv[6], wv[7]
     accepting, ws_in, mid, sigma_end, sigma_cls, cls_base = wv[8], wv[9], wv[10], wv[11], wv[12], wv[13]
-    ent_ptr, ent_cls, ent_wide, cand, keys, idx = wv[14], wv[15], wv[16], wv[17], wv[18], wv[19]
-    wide_ptr, wide_cls = wv[20], wv[21]
+    ent_ptr, ent_cls, ent_wide, buf, wide_ptr, wide_cls = wv[14], wv[15], wv[16], wv[17], wv[18], wv[19]
     nsig = las_ptr.shape[0] - 1
     a, b = edge_ptr[s], edge_ptr[s + 1]
-    acc = accepting[s]
     mrow = 1 if mid[s] else 0
-    wide = ent_wide[s]
+    wc = best[edge_group[a:b]]
+    tt = tag[edge_next[a:b]]
     for i in range(nsig):
-        if acc and sigma_end[i]:
+        if accepting[s] and sigma_end[i]:
             continue
         if i != 0 and not ws_in[s]:
             continue
-        m = 0  # the classes of s under σ (made for a wide state only when a witness must be tried)
-        if not wide:
+        if ent_wide[s]:
+            idx = wide_cls[wide_ptr[2 * i + mrow] : wide_ptr[2 * i + mrow + 1]]
+        else:
+            m = 0
             for x in range(ent_ptr[s], ent_ptr[s + 1]):
                 k = ent_cls[x]
                 if cls_base[mrow, k] and sigma_cls[i, k]:
-                    idx[m] = k
+                    buf[m] = k
                     m += 1
-            if m == 0:
-                continue
-        l0, l1 = las_ptr[i], las_ptr[i + 1]
-        if l1 == l0:
-            return False
-        n = 0
-        free = False
-        for e in range(a, b):
-            t = tag[edge_next[e]]
-            g = edge_group[e]
-            for li in range(l0, l1):
-                w = best[g, las[li]]
-                if w < 0:
-                    continue
-                if t != 0 and tab[t, tclass[w]]:
-                    continue
-                if est_ban[w] == 0:
-                    free = True
-                    break
-                if n == cand.shape[0]:
-                    return False
-                cand[n] = w
-                n += 1
-            if free:
-                break
-        if free:
+            idx = buf[:m]
+        if idx.shape[0] == 0:
             continue
-        if wide:
-            c0, c1 = wide_ptr[2 * i + mrow], wide_ptr[2 * i + mrow + 1]
-            m = c1 - c0
-            if m == 0:
-                continue
-            idx[:m] = wide_cls[c0:c1]
-        if n == 0:
+        if las_ptr[i + 1] == las_ptr[i]:
             return False
-        for x in range(n):  # (est_ban, id) order, each once
-            keys[x] = (np.int64(est_ban[cand[x]]) << 32) | cand[x]
-        ks = np.sort(keys[:n])
-        r = 0
-        prev = np.int64(-1)
-        for x in range(n):
-            if ks[x] == prev:
-                continue
-            prev = ks[x]
-            if r == max_w or m == 0:
-                break
-            r += 1
-            w = ks[x] & np.int64(0xFFFFFFFF)
-            wd = w >> 5
-            bit = w & 31
-            j = 0
-            for y in range(m):
-                k = idx[y]
-                if (bt[wd, k] >> bit) & 1:
-                    idx[j] = k
-                    j += 1
-            m = j
-        if m > 0:
+        if witness_clear(bt, wc, tt, tab, tclass, las[las_ptr[i] : las_ptr[i + 1]], est_ban, max_w, idx, buf) > 0:
             return False
     return True
 
@@ -1767,7 +1718,7 @@ def warm_up() -> None:
         b1, b11 = np.zeros(1, np.bool_), np.zeros((1, 1), np.bool_)
         wv = (np.full((1, 1), -1, np.int32), b11, i32[:1].copy(), np.zeros(2, np.int64), i64[:1].copy(), i32[:1].copy(),
               np.zeros((1, 1), np.int32), 12, b1, b1, b1, b1, b11, np.zeros((2, 1), np.bool_), np.zeros(2, np.int64),
-              i64[:0], np.ones(1, np.bool_), i64.copy(), i64.copy(), i64.copy(), np.zeros(3, np.int64), i64[:0])
+              i64[:0], np.ones(1, np.bool_), i64.copy(), np.zeros(3, np.int64), i64[:0])
         memo_run(i64[:1], 0, np.array([0, 1], np.int64), i32[:1], i32[:1], i64, np.zeros((2, 1), np.uint64),
                  np.ones((2, 1), np.uint64), i64, mk, mv, mu, np.zeros(2, np.uint64), wv, np.zeros(1, np.int64))
         witness_clear(np.zeros((1, 1), np.int32), np.full((1, 1), -1, np.int32), i64[:1], np.zeros((1, 1), np.bool_),
