@@ -598,6 +598,28 @@ def test_candidate_groups_kernel_equals_numpy():
         assert fast[0].tolist() == [order.index(k) for k in keys]
 
 
+def test_explicit_rows_are_the_tokens_of_each_states_groups(fst_artifacts):
+    """Non-canonical (explicit) automata at SmolLM2: each state's bitmask row (``rows_for_groups``, one
+    kernel call) holds exactly the tokens of its transition groups, plus EOS iff the state accepts; its
+    forced token is the only allowed one where there is one."""
+    from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
+
+    arts = fst_artifacts("smollm2")
+    eos = set(np.asarray(arts.eos_ids).tolist())
+    for rx in (_POKEDEX_LIKE, json_schema_to_regex(_TOOL_SCHEMA), r"[^\n]{1,40}", "Red|Green|Blue"):
+        c = compile_regex(rx, arts, CompileOptions(canonical=False))
+        assert c.mode == "explicit"
+        tg = c.token_group
+        for s in range(c.num_states):
+            groups = c.trans_group[c.trans_ptr[s] : c.trans_ptr[s + 1]]
+            want = set(np.flatnonzero(np.isin(tg, groups) & (tg >= 0)).tolist()) | (eos if c.accepting[s] else set())
+            got = set(c.allowed_tokens(s).tolist())
+            assert got == want, (rx, s, len(got ^ want))
+            assert (int(c.forced_token[s]) >= 0) == (len(want) == 1)
+            if len(want) == 1:
+                assert want == {int(c.forced_token[s])}
+
+
 def test_token_dfa_numba_budgets_and_empty(built_artifacts):
     """Both backends raise the same typed errors: past deadline, too many states or transitions, and an
     empty token language (a vocabulary that cannot spell the regex)."""

@@ -38,32 +38,31 @@ __all__ = ["CompiledAutomaton", "rows_for_groups"]
 
 
 def rows_for_groups(state_groups: list, token_group: np.ndarray, V: int) -> np.ndarray:
-    """Bit rows of token sets given as group lists.
+    """Bit rows of token sets given as group lists (one :func:`.kernels.group_rows` call: a bit set per
+    token of each row's groups).
 
     Args:
-        state_groups: list of R int arrays of group ids.
+        state_groups: list of R int arrays of group ids (each id in ``0..max(token_group)``).
         token_group: ``int32[V]`` group of each token (-1 = none).
         V: vocabulary size.
 
     Returns:
-        ``int32[R, W]`` rows (vLLM layout).
+        ``int32[R, W]`` rows (vLLM layout, W = ceil(V/32)).
     """
+    from . import kernels
+
     R = len(state_groups)
     W = (V + 31) // 32
+    out = np.zeros((R, W), dtype=np.uint32)
     if R == 0:
-        return np.zeros((0, W), dtype=np.int32)
+        return out.view(np.int32)
     G = int(token_group.max()) + 1 if len(token_group) else 0
-    mark = np.zeros((R, G + 1), dtype=bool)
-    for i, gs in enumerate(state_groups):
-        mark[i, gs] = True
-    tg = np.where(token_group >= 0, token_group, G)
-    out = np.zeros((R, W * 32), dtype=bool)
-    # chunk to bound memory (R x V bools)
-    step = max(1, (1 << 24) // max(V, 1))
-    for a in range(0, R, step):
-        out[a : a + step, :V] = mark[a : a + step][:, tg]
-    packed = np.packbits(out, axis=1, bitorder="little")
-    return np.ascontiguousarray(packed).view("<i4").astype(np.int32, copy=False)
+    g_toks, g_ptr = kernels.group_tokens(np.ascontiguousarray(token_group, dtype=np.int32), G)
+    row_ptr = np.zeros(R + 1, dtype=np.int64)
+    row_ptr[1:] = np.cumsum([len(gs) for gs in state_groups])
+    groups = np.concatenate([np.asarray(gs, dtype=np.int64) for gs in state_groups])
+    kernels.group_rows(row_ptr, groups, g_toks, g_ptr, out)
+    return out.view(np.int32)
 
 
 class CompiledAutomaton:

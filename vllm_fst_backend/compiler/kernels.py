@@ -43,7 +43,7 @@ import numpy as np
 
 __all__ = [
     "byte_classes", "byte_classes_exact", "first_keys", "vector_fst_arcs", "class_trie", "walk_class_trie", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
-    "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "witness_verdict", "spec_table", "group_tokens", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
+    "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "witness_verdict", "spec_table", "group_tokens", "group_rows", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -1044,6 +1044,20 @@ def group_tokens(token_group, G):
 
 
 @_jit
+def group_rows(row_ptr, row_groups, g_toks, g_ptr, out_u32):
+    """Bit rows of token sets given as group lists (non-canonical rows, :func:`.compiled.rows_for_groups`):
+    row i of ``out_u32`` (``uint32[R, W]``, zeroed by the caller) gets the tokens of the groups
+    ``row_groups[row_ptr[i]:row_ptr[i+1]]`` (group g's tokens ``g_toks[g_ptr[g]:g_ptr[g+1]]``, from
+    :func:`group_tokens`). Work: one bit set per (row, token of its groups)."""
+    for i in range(row_ptr.shape[0] - 1):
+        for p in range(row_ptr[i], row_ptr[i + 1]):
+            g = row_groups[p]
+            for q in range(g_ptr[g], g_ptr[g + 1]):
+                v = g_toks[q]
+                out_u32[i, v >> 5] |= np.uint32(1) << np.uint32(v & 31)
+
+
+@_jit
 def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_cls_ptr, ctx_cls, C):
     """The classes of each group's tokens (:meth:`.canonical_product._Analysis._entering_table`), as a
     CSR ``(ptr int64[G+1], classes int64[n])``, each class once per group (in first-seen order): the
@@ -1708,6 +1722,9 @@ def warm_up() -> None:
             allows_some(np.zeros((1, 1), np.int32), *few, row, i64[:1], i64[:1], np.zeros(1, np.bool_))
         group_tokens(i32, 1)
         group_tokens(i64, 1)
+        for gi in (i32, i64):
+            group_rows(np.array([0, 1], np.int64), gi[:1], np.zeros(1, np.int64), np.array([0, 1], np.int64),
+                       np.zeros((1, 1), np.uint32))
         entering_classes(i64[:1], i64[:1], np.array([0, 1], np.int64), i64[:1], 1, 1)
         sccs(np.array([0, 1, 1], np.int64), np.array([1], np.int64))
         signatures(np.array([0, 1], np.int64), i32[:1], i64[:1])
