@@ -1140,6 +1140,44 @@ def test_many_leading_optional_properties_compile_and_match_token_by_token(built
     assert not accepted('{"field_1":"' + "x" * 31 + '"}')
 
 
+def test_long_bounded_strings_compile_with_the_default_budgets(built_artifacts, smollm2_info):
+    """Strings of ``maxLength`` 1,000 (10,002 positions, ~7,000 character states, ~14,000 byte states) were
+    refused: by the position budget (8,000), and past it by the token DFA's count of group transitions,
+    which counted each pair the counter-chain shortcut adds once per group (over 20 M, never enumerated).
+    With the default budgets it compiles (canonical, SmolLM2); its matcher accepts the canonical ids of a
+    1,000-character string (escapes, non-ASCII) and of an object of two such strings, and rejects 1,001."""
+    from vllm_fst_backend.artifacts.store import load_artifacts
+    from vllm_fst_backend.compiler import CompileOptions, compile_regex, prepare
+    from vllm_fst_backend.runtime import FstMatcher
+
+    art = load_artifacts(str(built_artifacts("smollm2", canonical=True)))
+    prepare(art, canonical=True)
+    string = {"type": "string", "maxLength": 1000}
+    obj = {"type": "object", "properties": {"a": string, "b": {"type": "string", "maxLength": 255}},
+           "required": ["a", "b"], "additionalProperties": False}
+    rnd = random.Random(11)
+    pieces = ["word ", "caf\u00e9 ", "\"q\" ", "\\", "日本 ", "tab\t", "x"]
+    text = ""
+    while len(text) < 1000:
+        text += rnd.choice(pieces)
+    text = text[:1000]
+    for schema, good, bad in ((string, [text, "", text[:1]], [text + "y"]),
+                              (obj, [{"a": text, "b": text[:255]}, {"a": "", "b": ""}],
+                               [{"a": text, "b": text[:256]}, {"a": text + "z", "b": ""}])):
+        compiled = compile_regex(json_schema_to_regex(schema), art, CompileOptions(canonical=True))
+
+        def accepted(inst) -> bool:
+            m = FstMatcher(compiled)
+            return all(m.accept_tokens("t", [t]) for t in smollm2_info.encode(compact(inst))) and \
+                m.accept_tokens("t", [m.eos_ids[0]]) and m.is_terminated()
+
+        v = validator(schema)
+        for inst in good:
+            assert v.is_valid(inst) and accepted(inst), compact(inst)[:80]
+        for inst in bad:
+            assert not v.is_valid(inst) and not accepted(inst), compact(inst)[:80]
+
+
 @pytest.mark.parametrize("schema,keyword,pointer", [
     ({"type": "string", "pattern": "^\\p{Letter}+$"}, "pattern", ""),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^\\cC$"}}}, "pattern", "/properties/a"),

@@ -31,9 +31,15 @@ __all__ = ["compile_regex", "prepare", "CompileBudgets", "DEFAULT_BUDGETS"]
 
 
 class CompileBudgets:
-    """Limits of one compilation (see the module docstring). Plain attributes; override per call."""
+    """Limits of one compilation (see the module docstring). Plain attributes; override per call.
 
-    def __init__(self, max_positions: int = 8000, max_char_states: int = 4000, max_byte_states: int = 100_000,
+    The state and position budgets catch explosive regexes early (``(a|b)*a(a|b){20}``: the 10,000-state
+    budget in ~50 ms); the time budget and the compile process's memory budget bound the rest. They admit a
+    JSON string of ``maxLength`` up to ~1,400 (about 7 character states and 10 positions per unit; SmolLM2
+    ~0.4 s, Tekken ~0.8 s; docs/compiler.md).
+    """
+
+    def __init__(self, max_positions: int = 20_000, max_char_states: int = 10_000, max_byte_states: int = 100_000,
                  max_token_states: int = 50_000, max_product_states: int = 256, time_budget_s: float = 4.0):
         self.max_positions = max_positions
         self.max_char_states = max_char_states

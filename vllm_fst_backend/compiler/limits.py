@@ -12,7 +12,7 @@ Defaults (each overridable by the environment variable in brackets, read by
 
 * ``max_regex_chars`` = 100,000 characters [``VLLM_FST_MAX_REGEX_CHARS``]. Hand-written regexes are
   well under 1 KB; regexes converted from real tool-calling schemas are 1-30 KB. The compile budgets
-  (``CompileBudgets.max_positions`` = 8,000 positions) refuse far smaller *expanded* regexes anyway;
+  (``CompileBudgets.max_positions`` = 20,000 positions) refuse far smaller *expanded* regexes anyway;
   this limit only keeps the linear front end (parse, size estimate) in the millisecond range.
 * ``max_schema_chars`` = 100,000 characters of JSON text [``VLLM_FST_MAX_SCHEMA_CHARS``]. Real
   tool-calling / response-format schemas are a few KB (OpenAI caps a tool's parameters schema at about

@@ -257,7 +257,9 @@ def build_token_dfa(
         deadline: ``time.perf_counter()`` value after which :class:`CompileBudgetError` is raised
             (default: now + 5 s). The numba passes check it between chunks of ~1 M trie arcs (a few ms).
         max_states: token-DFA state budget (before trimming).
-        max_edges: budget of (state, group) transitions found per discovery round.
+        max_edges: budget of (state, group) transitions found per discovery round, and of the merged
+            transitions in all (numba path: the tokens a counter chain's shortcut covers count once per
+            (source, token length), not once per group: they are never enumerated).
         backend: ``"numba"`` (compiled kernels of :mod:`.kernels`, the default) or ``"numpy"`` (the
             vectorized reference path). Both give identical arrays (``tests/test_compiler.py``) unless two
             groups' hash sums collide (:class:`_FusedWalk`).
@@ -574,7 +576,10 @@ class _FusedWalk:
             self.sums[0, pg_groups] += U[0, pg_depth]
             self.sums[1, pg_groups] += U[1, pg_depth]
             self.cnt[pg_groups] += U[2, pg_depth].astype(np.int64)
-            n_emit += int((U[2].astype(np.int64) * n_pg).sum())
+            # (counted once per (source, token length): the pairs the shortcut adds per length, and the most
+            # merged transitions they can become, since groups with equal pair sets merge; counted per group,
+            # a string of maxLength 255 had passed 20 M "transitions" that were never enumerated)
+            n_emit += int(U[2].astype(np.int64)[n_pg > 0].sum())
             self._check_budget(n_emit)
         return np.ascontiguousarray(np.concatenate(rest)), n_emit
 
@@ -675,7 +680,7 @@ class _FusedWalk:
                 i, n_out = kernels.walk_class_trie(kid_ptr, kids, self.byte_of_cnode, emit_group, self.tab, src, i,
                                                    _WALK_CHUNK_VISITS, self.depth, True, self.h, self.sums, self.cnt,
                                                    self.reached, per_source, *bufs, n_out)
-                self._check_deadline()
+                self._check_budget(n_out)
             si, g, q = (b[:n_out] for b in bufs)
             out_s.append(plain_states[si])
             out_g.append(g.astype(np.int64))
