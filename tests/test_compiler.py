@@ -492,7 +492,8 @@ def test_token_dfa_numba_equals_numpy(built_artifacts, name, monkeypatch):
     """The numba trie walk (kernels.py) gives exactly the numpy path's TokenDFA (same arrays: states,
     accepting, edge CSR, token groups, byte states) on a corpus of regexes, for every byte policy of
     the tokenizer (SentencePiece: byte fallback and the canonical byte policy): with the counter-chain
-    shortcut of pass 1 as configured (it must serve the tool schema), and forced on every chain source."""
+    shortcut of pass 1 as configured (it must serve the tool schema), and forced on every chain source and
+    every prefixed chain source (a string's escapes, hex digits and UTF-8 continuations; served there)."""
     from vllm_fst_backend.compiler import token_dfa
     from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
     from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_table, regex_to_char_dfa
@@ -503,9 +504,9 @@ def test_token_dfa_numba_equals_numpy(built_artifacts, name, monkeypatch):
     used = []
     real = token_dfa._FusedWalk._variant
 
-    def spy(self, xk):
-        v = real(self, xk)
-        used.append(v is not None)
+    def spy(self, masks, first_ok):
+        v = real(self, masks, first_ok)
+        used.append((v is not None, masks.shape[0] - 1))
         return v
 
     monkeypatch.setattr(token_dfa._FusedWalk, "_variant", spy)
@@ -514,6 +515,7 @@ def test_token_dfa_numba_equals_numpy(built_artifacts, name, monkeypatch):
         if forced:
             monkeypatch.setattr(token_dfa._FusedWalk, "_CHAIN_MIN_VISITS", 0)
             monkeypatch.setattr(token_dfa._FusedWalk, "_CHAIN_MAX_SHARE", 1.0)
+            monkeypatch.setattr(token_dfa._FusedWalk, "_PREFIX_MIN_SOURCES", 1)
         for regex in ([tool] + KERNEL_REGEXES) if forced else [tool, _JSON_LIKE, _POKEDEX_LIKE]:
             used.clear()
             bdfa = byte_dfa_table(regex_to_char_dfa(regex, prepend_space=bool(arts.prepend_space)))
@@ -522,7 +524,9 @@ def test_token_dfa_numba_equals_numpy(built_artifacts, name, monkeypatch):
                 assert not isinstance(ref, type), (regex, policy, ref)
                 assert _token_dfa_diff(ref, fast) is None, (regex, policy, forced, _token_dfa_diff(ref, fast))
             if regex is tool:
-                assert any(used), (name, forced)  # the shortcut served the schema's strings
+                assert any(ok for ok, _ in used), (name, forced)  # the shortcut served the schema's strings
+                if forced:  # and the prefixed chains their escapes
+                    assert any(ok and d >= 1 for ok, d in used), (name, used)
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)

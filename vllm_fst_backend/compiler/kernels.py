@@ -19,8 +19,9 @@ each kernel reproduces one numpy step of the reference path exactly, see the fun
   states reached and, per group, hash sums of its (source, next state) pairs (merging groups with
   identical behaviour without storing the pairs); then, on the trie restricted to one class node per
   merged group (:func:`prune_trie`), the merged edges;
-* :func:`chain_info`, :func:`chain_sums` -- pass 1 for the tokens that stay in one counter chain
-  (bounded strings, free text), per token length instead of per group;
+* :func:`chain_info`, :func:`prefix_paths`, :func:`chain_sums` -- pass 1 for the tokens that stay in one
+  counter chain (bounded strings, free text), also after a short prefix (a string's escapes), per token
+  length instead of per group;
 * :func:`finish` -- trim (reachable and co-reachable) and BFS renumbering.
 
 Factored canonical product (:mod:`.canonical_product`, 004 Eq. 5 / §6.5):
@@ -42,7 +43,7 @@ import numba
 import numpy as np
 
 __all__ = [
-    "byte_classes", "byte_classes_exact", "first_keys", "vector_fst_arcs", "class_trie", "walk_class_trie", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
+    "byte_classes", "byte_classes_exact", "first_keys", "vector_fst_arcs", "class_trie", "walk_class_trie", "prefix_paths", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
     "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "witness_verdict", "spec_table", "group_tokens", "group_rows", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
@@ -486,17 +487,86 @@ def chain_sums(h, sources, m, cq, has_depth, U, reached):
 
 
 @_jit
-def pure_nodes(parent, label, xk):
-    """``bool[M]``: the class-trie nodes whose byte string is spelled in the byte classes ``xk`` only
-    (``bool[K]``; the root, the empty string, is). ``parent``/``label``: ``int32[M]`` of the class trie,
-    numbered level by level (parents precede children)."""
+def prefix_paths(tab, sources, csize, max_d):
+    """The prefix paths of the walk's sources that are not chain sources (:func:`chain_info`), for the
+    prefixed chains of ``token_dfa._FusedWalk``: from ``q = sources[i]``, ``max_d`` steps each to the
+    successor most bytes lead to (``csize[k]`` = bytes in class k; the first class wins ties), with the
+    classes leading there. Inside a bounded JSON string: from the state after a backslash, the escape
+    letters lead to the next character position (a chain source); after ``\\u0``, ``\\u00``,
+    ``\\u000`` the hex digits lead there in 3, 2 or 1 steps.
+
+    Args:
+        tab: ``int32[n, K]`` byte DFA by byte class (-1 reject); sources: ``int32[n_src]``;
+        csize: ``int64[K]``; max_d: int, the most steps.
+
+    Returns:
+        ``(rpath int32[n_src, max_d], ymask bool[n_src, max_d, K], first_ok bool[n_src, K])``: the states
+        of the path (-1 past a state without successor), the classes leading to each, and the classes q
+        accepts at all.
+    """
+    n = sources.shape[0]
+    K = tab.shape[1]
+    rpath = np.full((n, max_d), -1, np.int32)
+    ymask = np.zeros((n, max_d, K), np.bool_)
+    first_ok = np.zeros((n, K), np.bool_)
+    acc = np.zeros(tab.shape[0], np.int64)
+    for i in range(n):
+        q = sources[i]
+        for k in range(K):
+            first_ok[i, k] = tab[q, k] >= 0
+        cur = q
+        for j in range(max_d):
+            for k in range(K):
+                r = tab[cur, k]
+                if r >= 0:
+                    acc[r] += csize[k]
+            best_r = -1
+            best_b = 0
+            for k in range(K):
+                r = tab[cur, k]
+                if r >= 0 and acc[r] > best_b:
+                    best_b = acc[r]
+                    best_r = r
+            for k in range(K):
+                r = tab[cur, k]
+                if r >= 0:
+                    acc[r] = 0
+            if best_r < 0:
+                break
+            for k in range(K):
+                ymask[i, j, k] = tab[cur, k] == best_r
+            rpath[i, j] = best_r
+            cur = best_r
+    return rpath, ymask, first_ok
+
+
+@_jit
+def pure_nodes(parent, label, masks, first_ok):
+    """The class-trie nodes whose byte string is spelled in the classes ``masks`` (``bool[D+1, K]``: a
+    node at depth t >= 1 reads row ``min(t - 1, D)``; D = 0 for a counter chain, D = d for a chain after a
+    prefix of d steps), and the *dead* nodes: those under a first byte whose class is not in ``first_ok``
+    (``bool[K]``; no source of the variant reads them). ``parent``/``label``: ``int32[M]`` of the class
+    trie, numbered level by level (parents precede children). Returns ``(pure bool[M], dead bool[M])``;
+    the root, the empty string, is pure."""
     M = parent.shape[0]
+    D = masks.shape[0] - 1
     pure = np.zeros(M, np.bool_)
+    dead = np.zeros(M, np.bool_)
+    depth = np.zeros(M, np.int64)
     if M:
         pure[0] = True
     for c in range(1, M):
-        pure[c] = pure[parent[c]] and xk[label[c]]
-    return pure
+        p = parent[c]
+        if dead[p]:
+            dead[c] = True
+            continue
+        t = depth[p] + 1
+        depth[c] = t
+        if t == 1 and not first_ok[label[c]]:
+            dead[c] = True
+            continue
+        pure[c] = pure[p] and masks[min(t - 1, D), label[c]]
+    return pure, dead
 
 
 @_jit
@@ -1708,7 +1778,8 @@ def warm_up() -> None:
         h, sums = np.zeros((6, 1), np.uint64), np.zeros((2, 1), np.uint64)
         walk_class_trie(np.array([1, 1], np.int64), no_kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, False, h, sums,
                         i64[:1].copy(), np.zeros(1, np.bool_), 0, no_kids, no_kids, no_kids, 0)
-        pure_nodes(np.array([-1], np.int32), np.array([-1], np.int32), np.ones(1, np.bool_))
+        pure_nodes(np.array([-1], np.int32), np.array([-1], np.int32), np.ones((1, 1), np.bool_), np.ones(1, np.bool_))
+        prefix_paths(table[:, :1].copy(), i32[:1], i64[:1], 1)
         kp, kids = prune_trie(np.array([-1], np.int32), np.array([1, 1], np.int64), np.ones(1, np.bool_))
         walk_class_trie(kp, kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, True, h, sums, i64[:1].copy(),
                         np.zeros(1, np.bool_), 1, i32.copy(), i32.copy(), i32.copy(), 0)

@@ -348,7 +348,12 @@ def build_token_dfa(
         return j
 
     csize = np.bincount(bcls[bcls >= 0], minlength=K).astype(np.int64)
-    fw = _FusedWalk(ct, group_of_cnode, rep_byte, table, G, deadline, max_edges, csize) if fast else None
+    # the class-trie nodes under each first byte class, estimated from the token trie's (scaled by the class
+    # trie's size): what a prefixed chain can save per source (_FusedWalk._prefixed)
+    live = bcls >= 0
+    first_reach = (np.bincount(bcls[live], weights=trie.first_byte_nodes[live], minlength=K)
+                   * (M / max(trie.num_nodes, 1))).astype(np.int64)
+    fw = _FusedWalk(ct, group_of_cnode, rep_byte, table, G, deadline, max_edges, csize, first_reach) if fast else None
     new_plain(np.array([0], dtype=np.int64))
     # walk from every character boundary at once (usually all reachable; unreachable ones are dropped)
     new_plain(bdfa.char_entry.astype(np.int64))
@@ -486,13 +491,22 @@ class _FusedWalk:
     _CHAIN_MIN_BYTES = 16
     _CHAIN_MIN_VISITS = 1 << 20
     _CHAIN_MAX_SHARE = 0.5
+    # prefixed chains (:meth:`_prefixed`): paths of at most _PREFIX_MAX_STEPS steps before the chain, variants
+    # of at least _PREFIX_MIN_SOURCES sources (a source's full walk costs a few µs, a variant's pruning a
+    # fraction of a ms)
+    use_prefixes = True
+    _PREFIX_MAX_STEPS = 4
+    _PREFIX_MIN_SOURCES = 48
+    _PREFIX_MIN_CHAIN_BYTES = 80
 
     def __init__(self, ct: _ClassTrie, group_of_cnode: np.ndarray, rep_byte: np.ndarray, table: np.ndarray,
-                 G: int, deadline: float, max_edges: int, csize: np.ndarray | None = None):
+                 G: int, deadline: float, max_edges: int, csize: np.ndarray | None = None,
+                 first_reach: np.ndarray | None = None):
         self.ct = ct
         self.csize = csize
         self._variants: dict = {}
         self._levels = None
+        self.first_reach = first_reach
         self.gc = np.ascontiguousarray(group_of_cnode, dtype=np.int32)
         # the kernels read the byte DFA by byte class: table[:, rep_byte] (n x K, a fraction of n x 256,
         # so the walk's random reads stay in cache) indexed by each class node's label
@@ -537,41 +551,50 @@ class _FusedWalk:
     def _chain_round(self, src: np.ndarray) -> tuple[np.ndarray, int]:
         """Pass 1 for the chain sources among ``src`` (:func:`.kernels.chain_info`: inside a bounded JSON
         string or free text, the states from which every token spelled in the chain's classes X leads
-        to the state its length away). For those, the tokens spelled in X only are not walked: their
-        pairs ``(q, q_L)`` go into the hash sums once per length L (:func:`.kernels.chain_sums`; sums are
-        order-free, so the automaton is the same), and the class trie is walked only where a token
-        leaves X (inside a JSON string, a small part of it). Returns the sources still to walk in
-        full (not chain sources, or X prunes too little) and the pairs counted."""
+        to the state its length away) and for the prefixed chain sources (:meth:`_prefixed`: a string's
+        escape states, a few steps before such a chain). For those, the tokens spelled in the chain's
+        classes only are not walked: their pairs ``(q, q_L)`` go into the hash sums once per length L
+        (:func:`.kernels.chain_sums`; sums are order-free, so the automaton is the same), and the class
+        trie is walked only where a token leaves the classes (inside a JSON string, a small part of it).
+        Returns the sources still to walk in full (neither kind, or the classes prune too little) and
+        the pairs counted."""
         from . import kernels
 
         M = len(self.ct.parent)
         if len(src) * M < self._CHAIN_MIN_VISITS:
             return src, 0
         xm, m, cq = kernels.chain_info(self.tab, src, self.csize, self._CHAIN_MIN_BYTES, self.depth)
+        todo = []  # (variant, source indices, m, cq)
+        covered = np.zeros(len(src), dtype=bool)
         chain = np.flatnonzero(m >= 0)
-        if len(chain) * M < self._CHAIN_MIN_VISITS:
-            return src, 0
-        rest = [src[m < 0]]
+        if len(chain):
+            keys, inv = _unique_bool_rows(xm[chain])
+            for v in range(len(keys)):
+                sel = chain[inv == v]
+                var = self._variant(keys[v][None, :], None) if len(sel) * M >= self._CHAIN_MIN_VISITS else None
+                if var is not None:
+                    todo.append((var, sel, m[sel], cq[sel]))
+                    covered[sel] = True
+        if self.use_prefixes:  # (also chain sources whose classes prune too little: a string's hex digits)
+            for masks, first_ok, sel, ms, cqs in self._prefixed(src, ~covered):
+                var = self._variant(masks, first_ok)
+                if var is not None:
+                    todo.append((var, sel, ms, cqs))
+                    covered[sel] = True
         n_emit = 0
-        keys, inv = _unique_bool_rows(xm[chain])
         no = self._no_out
-        for v in range(len(keys)):
-            sel = chain[inv == v]
-            var = self._variant(keys[v]) if len(sel) * M >= self._CHAIN_MIN_VISITS else None
-            if var is None:
-                rest.append(src[sel])
-                continue
+        for var, sel, ms, cqs in todo:
             kid_ptr, kids, gc_mixed, pg_groups, pg_depth, n_pg = var
             s_v = np.ascontiguousarray(src[sel])
             i = 0
-            while i < len(s_v):  # the tokens leaving X, on the pruned trie (X-only nodes emit nothing)
+            while i < len(s_v):  # the tokens leaving the classes, on the pruned trie (pure nodes emit nothing)
                 i, n = kernels.walk_class_trie(kid_ptr, kids, self.byte_of_cnode, gc_mixed, self.tab, s_v, i,
                                                _WALK_CHUNK_VISITS, self.depth, False, self.h, self.sums, self.cnt,
                                                self.reached, 0, no, no, no, 0)
                 n_emit += n
                 self._check_budget(n_emit)
             U = np.zeros((3, len(n_pg)), dtype=np.uint64)
-            kernels.chain_sums(self.h, s_v, np.ascontiguousarray(m[sel]), np.ascontiguousarray(cq[sel]), n_pg > 0,
+            kernels.chain_sums(self.h, s_v, np.ascontiguousarray(ms), np.ascontiguousarray(cqs), n_pg > 0,
                                U, self.reached)
             self.sums[0, pg_groups] += U[0, pg_depth]
             self.sums[1, pg_groups] += U[1, pg_depth]
@@ -581,7 +604,70 @@ class _FusedWalk:
             # a string of maxLength 255 had passed 20 M "transitions" that were never enumerated)
             n_emit += int(U[2].astype(np.int64)[n_pg > 0].sum())
             self._check_budget(n_emit)
-        return np.ascontiguousarray(np.concatenate(rest)), n_emit
+        return np.ascontiguousarray(src[~covered]), n_emit
+
+    def _prefixed(self, src: np.ndarray, candidates: np.ndarray) -> list:
+        """The prefixed chain sources among ``src[candidates]`` (``bool[n]``: the sources no counter chain
+        serves), grouped by variant: a source q is one when its prefix path (:func:`.kernels.prefix_paths`,
+        at most ``_PREFIX_MAX_STEPS`` steps, each to the successor most bytes lead to) reaches, after d
+        steps through the classes Y_1..Y_d, a chain source c0 whose classes X hold at least
+        ``_PREFIX_MIN_CHAIN_BYTES`` bytes (a string's characters, not its hex digits). Every token spelled
+        in Y_1..Y_d and then in X leads from q to the state its length away (the path's states, then
+        c0's chain). Inside a bounded JSON string: the state after a backslash (d = 1: the escape letters
+        lead to the next character position), those inside ``\\uXXXX`` (d = 1 to 3) and inside a UTF-8
+        character (the last continuation byte), whose full walks were most of the walk (their tokens
+        start with a letter or digit). Returns ``[(masks bool[d+1, K], first_ok bool[K], source indices,
+        m, cq)]``: only variants of at least ``_PREFIX_MIN_SOURCES`` sources (the pruning costs about one
+        pass over the class trie)."""
+        from . import kernels
+
+        nonchain = np.flatnonzero(candidates)
+        if len(nonchain) < self._PREFIX_MIN_SOURCES:
+            return []
+        D = self._PREFIX_MAX_STEPS
+        rpath, ymask, first_ok = kernels.prefix_paths(self.tab, np.ascontiguousarray(src[nonchain]), self.csize, D)
+        reach = self.first_reach
+        if reach is None or int((first_ok @ reach).sum()) < self._CHAIN_MIN_VISITS:  # (all of them together: not worth it)
+            return []
+        cand = np.unique(rpath[rpath >= 0]).astype(np.int32)
+        if not len(cand):
+            return []
+        cxm, cm, ccq = kernels.chain_info(self.tab, cand, self.csize, self._PREFIX_MIN_CHAIN_BYTES, self.depth)
+        pos = np.minimum(np.searchsorted(cand, np.maximum(rpath, 0)), len(cand) - 1)
+        ok = (rpath >= 0) & (cand[pos] == rpath) & (cm[pos] >= 0)
+        has = ok.any(axis=1)
+        if has.sum() < self._PREFIX_MIN_SOURCES:
+            return []
+        rows = np.flatnonzero(has)
+        d = ok[rows].argmax(axis=1) + 1  # the first step that reaches a chain source
+        c0 = pos[rows, d - 1]
+        K = self.tab.shape[1]
+        key = np.zeros((len(rows), D + 1 + K + D * K + K), dtype=bool)
+        key[np.arange(len(rows)), d] = True
+        key[:, D + 1 : D + 1 + K] = first_ok[rows]
+        y = ymask[rows].copy()
+        y[np.arange(D)[None, :] >= d[:, None]] = False  # (steps past c0 do not count)
+        key[:, D + 1 + K : D + 1 + K + D * K] = y.reshape(len(rows), D * K)
+        key[:, D + 1 + K + D * K :] = cxm[c0]
+        keys, inv = _unique_bool_rows(key)
+        out = []
+        W = self.depth + 1
+        for v in range(len(keys)):
+            sub = np.flatnonzero(inv == v)
+            # (worth it when the sources' full walks could visit _CHAIN_MIN_VISITS nodes, as for the plain
+            # chains: a source reads only the subtrees of the first classes it accepts)
+            if len(sub) < self._PREFIX_MIN_SOURCES or \
+                    len(sub) * int(reach[first_ok[rows[sub[0]]]].sum()) < self._CHAIN_MIN_VISITS:
+                continue
+            r0, dv = rows[sub], int(d[sub[0]])
+            masks = np.concatenate([ymask[r0[0], :dv], cxm[c0[sub[0]]][None, :]])
+            cqp = np.full((len(sub), W), -1, dtype=np.int32)
+            cqp[:, 0] = src[nonchain[r0]]
+            cqp[:, 1 : dv + 1] = rpath[r0, :dv]
+            cqp[:, dv + 1 :] = ccq[c0[sub], 1 : W - dv]
+            mp = np.minimum(dv + cm[c0[sub]], self.depth).astype(np.int64)
+            out.append((masks, first_ok[r0[0]], nonchain[r0], mp, cqp))
+        return out
 
     def _depth_levels(self) -> int:
         """The class trie's depth (= the longest token, in bytes); fills ``_levels`` (the node id range
@@ -598,20 +684,25 @@ class _FusedWalk:
                 self._node_depth[lo:hi] = d
         return len(self._levels) - 1
 
-    def _variant(self, xk: np.ndarray):
-        """For chain classes ``xk`` (``bool[K]``), memoized: ``(kid_ptr, kids, gc_mixed, pg_groups,
-        pg_depth, n_pg)`` -- the class trie pruned to the nodes on a path to a token leaving X, the
-        groups with the X-only nodes' groups removed, the X-only groups and their lengths, the number of
-        X-only groups per length; None when the pruned trie keeps more than ``_CHAIN_MAX_SHARE``."""
+    def _variant(self, masks: np.ndarray, first_ok: np.ndarray | None):
+        """For the classes ``masks`` (``bool[D+1, K]``: a counter chain's X as one row, D = 0; a prefixed
+        chain's Y_1..Y_d and X) and the first classes its sources accept (``first_ok``, ``bool[K]``; None:
+        any), memoized: ``(kid_ptr, kids, gc_mixed, pg_groups, pg_depth, n_pg)`` -- the class trie pruned to
+        the nodes on a path to a token leaving the classes (less the subtrees under a first class the
+        sources reject), the groups with the pure nodes' groups removed, the pure groups and their
+        lengths, the number of pure groups per length (:func:`.kernels.pure_nodes`); None when the pruned
+        trie keeps more than ``_CHAIN_MAX_SHARE``."""
         from . import kernels
 
-        key = xk.tobytes()
+        K = masks.shape[1]
+        fo = np.ones(K, dtype=bool) if first_ok is None else np.ascontiguousarray(first_ok, dtype=bool)
+        key = (masks.shape, masks.tobytes(), fo.tobytes())
         if key in self._variants:
             return self._variants[key]
         ct = self.ct
         M = len(ct.parent)
-        pure = kernels.pure_nodes(ct.parent, ct.label, np.ascontiguousarray(xk, dtype=bool))  # spelled in X only
-        keep = ~pure
+        pure, dead = kernels.pure_nodes(ct.parent, ct.label, np.ascontiguousarray(masks, dtype=bool), fo)
+        keep = ~pure & ~dead
         res = None
         if keep.sum() <= self._CHAIN_MAX_SHARE * M:
             kid_ptr, kids = kernels.prune_trie(ct.parent, ct.child_ptr, keep)  # (+ the ancestors of kept nodes)

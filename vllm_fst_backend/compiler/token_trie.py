@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -54,6 +55,17 @@ class TokenTrie:
     @property
     def max_depth(self) -> int:
         return int(self.level_ptr.shape[0] - 2)
+
+    @cached_property
+    def first_byte_nodes(self) -> np.ndarray:
+        """``int64[256]``: the number of trie nodes under each first byte (what a walk from a state
+        accepting only that first byte can visit at most; the token DFA's prefixed chains weigh their cost
+        with it), computed once per trie."""
+        anc = np.arange(self.num_nodes, dtype=np.int64)
+        lp = self.level_ptr
+        for d in range(2, len(lp) - 1):  # (level order: a node's depth-1 ancestor is its parent's)
+            anc[lp[d] : lp[d + 1]] = anc[self.node_parent[lp[d] : lp[d + 1]]]
+        return np.bincount(self.node_byte[anc[1:]], minlength=256).astype(np.int64)
 
 
 def build_token_trie(token_bytes: list, byte_fallback) -> TokenTrie:
