@@ -169,6 +169,37 @@ def test_explicit_product_arrays(fst_artifacts):
     assert (c.forced_token >= 0).sum() >= 2
 
 
+def test_explicit_attempt_skipped_where_a_state_allows_too_many_tokens(fst_artifacts, monkeypatch):
+    """Free text (a regex state allowing thousands of tokens) stays factored without the explicit
+    enumeration being tried: its rows could not fit the 1,024 tokens of an explicit row; small choices
+    and dates still become explicit. The bound is the most tokens a token-DFA state allows (SmolLM2's
+    counts, checked against a per-state count)."""
+    from vllm_fst_backend.compiler import canonical_product as cp
+
+    arts = fst_artifacts("smollm2")
+    tried = []
+    real = cp._try_explicit
+    monkeypatch.setattr(cp, "_try_explicit", lambda *a, **k: tried.append(1) or real(*a, **k))
+    seen = []
+    real_max = cp._max_state_tokens
+
+    def spy_max(M, g_size):
+        n = real_max(M, g_size)
+        want = max(int(np.isin(M.token_group, M.edge_group[M.edge_ptr[s]:M.edge_ptr[s + 1]]).sum())
+                   for s in range(M.num_states))
+        assert n == want
+        seen.append(n)
+        return n
+
+    monkeypatch.setattr(cp, "_max_state_tokens", spy_max)
+    for regex, mode, attempt in ((r'"[^"\\]{0,20}"', "factored", False), (r"[a-z ]{1,30}", "factored", False),
+                                 (r"(Monday|Tuesday|Wednesday)", "explicit", True), (r"\d{4}-\d{2}-\d{2}", "explicit", True)):
+        tried.clear()
+        c = compile_regex(regex, arts, CompileOptions())
+        assert c.mode == mode and bool(tried) == attempt, (regex, c.mode, tried, seen[-1])
+        assert (seen[-1] > cp.EXPLICIT_MAX_REGEX_TOKENS) == (not attempt)
+
+
 # --- property 5: scripts ------------------------------------------------------------------------------
 
 

@@ -2421,6 +2421,20 @@ def _signatures_reference(an: _Analysis) -> np.ndarray:
     return index
 
 
+EXPLICIT_MAX_REGEX_TOKENS = 4096  # (:func:`canonical_automaton`: no explicit attempt above it)
+
+
+def _max_state_tokens(M: TokenDFA, gsize: np.ndarray) -> int:
+    """The most tokens any state of ``M`` allows: its edges' group sizes (``gsize``, ``int64[G]``) summed;
+    O(edges)."""
+    if not len(M.edge_group):
+        return 0
+    per_edge = np.cumsum(gsize[M.edge_group], dtype=np.int64)
+    ends = per_edge[M.edge_ptr[1:] - 1]
+    starts = np.where(M.edge_ptr[:-1] > 0, per_edge[np.maximum(M.edge_ptr[:-1] - 1, 0)], 0)
+    return int((np.where(M.edge_ptr[1:] > M.edge_ptr[:-1], ends - starts, 0)).max())
+
+
 def _try_explicit(fc: FactoredCanonical, V: int, eos_ids, max_states: int, max_edges: int, deadline: float, stats):
     """Enumerate the reachable product; None if larger than the budgets."""
     start = 0
@@ -2515,8 +2529,11 @@ def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadli
     # not tried when the regex side alone has more states than the product may have: the product holds
     # at least one state per regex state a canonical path reaches (nearly all), so the enumeration would
     # fail after paying for up to max_product_states rows; such an automaton stays factored
+    # nor when a regex state allows more than EXPLICIT_MAX_REGEX_TOKENS tokens (free text, a JSON string):
+    # its product states allow far more than the 1,024 tokens an explicit row may hold unless a class bans
+    # nearly all of them, so the attempt computed a few rows and failed (Tekken: 1-6 ms per compile)
     exp = None
-    if M.num_states <= max_product_states:
+    if M.num_states <= max_product_states and _max_state_tokens(M, an.g_size) <= EXPLICIT_MAX_REGEX_TOKENS:
         exp = _try_explicit(fc, V, eos_ids, max_product_states, max_explicit_edges, deadline, st)
     if exp is not None:
         exp.stats["ms_explicit"] = 1e3 * (time.perf_counter() - t2)
