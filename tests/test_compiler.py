@@ -610,6 +610,44 @@ def test_byte_classes_kernels_equal_numpy():
         assert want[1] == len(np.unique(t[:, want[0] >= 0], axis=1).T) and (want[0] < 0).sum() == (t < 0).all(0).sum()
 
 
+@FST_SETTINGS
+@given(regex=regex_strategy())
+def test_byte_dfa_table_equals_reference_on_random_regexes(regex):
+    """Property: the byte table built through the kernels (``kernels.char_arc_keys``: one gadget per key of
+    class sequence and exit ranks; ``kernels.expand_gadgets``: every row in one call) is the per-state
+    Python path's, array for array, with and without the SentencePiece space."""
+    from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_table, byte_dfa_table_reference, regex_to_char_dfa
+
+    for ps in (False, True):
+        try:
+            cdfa = regex_to_char_dfa(regex, prepend_space=ps)
+        except (CompileBudgetError, EmptyLanguageError):
+            return
+        a, b = byte_dfa_table(cdfa), byte_dfa_table_reference(cdfa)
+        assert np.array_equal(a.table, b.table) and np.array_equal(a.final, b.final), regex
+        assert np.array_equal(a.char_entry, b.char_entry)
+
+
+def test_byte_dfa_table_equals_reference_on_the_corpus(monkeypatch):
+    """The kernels' byte table equals the Python path's on JSON schemas (bounded strings: UTF-8 and escape
+    gadgets per position), the compile and kernel corpora and multilingual classes; and when the states'
+    key hashes collide (all keys made equal here) it takes the Python path and still gives that table."""
+    from vllm_fst_backend.compiler import kernels
+    from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
+    from vllm_fst_backend.compiler.regex_to_bytes import byte_dfa_table, byte_dfa_table_reference, regex_to_char_dfa
+
+    corpus = [json_schema_to_regex(_TOOL_SCHEMA), _JSON_LIKE, _POKEDEX_LIKE] + KERNEL_REGEXES
+    cdfas = [regex_to_char_dfa(rx, prepend_space=ps) for rx in corpus for ps in (False, True)]
+    for cdfa in cdfas:
+        want = byte_dfa_table_reference(cdfa)
+        got = byte_dfa_table(cdfa)
+        assert np.array_equal(got.table, want.table) and np.array_equal(got.final, want.final)
+    real = kernels.first_keys
+    monkeypatch.setattr(kernels, "first_keys", lambda k0, k1, k2: (np.zeros(len(k0), np.int64), 1) if len(k0) else real(k0, k1, k2))
+    for cdfa in cdfas[:6]:
+        assert np.array_equal(byte_dfa_table(cdfa).table, byte_dfa_table_reference(cdfa).table)
+
+
 def test_candidate_groups_kernel_equals_numpy():
     """Merge candidates of the token DFA's groups (equal pair-set hash triples) numbered in order of first
     appearance: the hash-table kernel (``kernels.first_keys``) and the numpy path agree, with many and with

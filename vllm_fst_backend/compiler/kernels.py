@@ -43,7 +43,7 @@ import numba
 import numpy as np
 
 __all__ = [
-    "byte_classes", "byte_classes_exact", "first_keys", "vector_fst_arcs", "class_trie", "walk_class_trie", "prefix_paths", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
+    "byte_classes", "byte_classes_exact", "first_keys", "char_arc_keys", "expand_gadgets", "vector_fst_arcs", "class_trie", "walk_class_trie", "prefix_paths", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
     "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "witness_verdict", "spec_table", "group_tokens", "group_rows", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
@@ -123,6 +123,95 @@ def byte_classes(table):
             if bcls[b] >= 0 and table[r, b] != table[r, rep[bcls[b]]]:
                 return byte_classes_exact(table)  # a hash collision
     return bcls, K, rep
+
+
+@_jit
+def char_arc_keys(ptr, labels, targets):
+    """Per character state (:func:`.regex_to_bytes.byte_dfa_table`): its arcs sorted by class, each arc's
+    target numbered by first appearance in that order (its *rank*: the state's gadget exit), the targets
+    in rank order, and two hashes of the (class, rank) sequence (equal sequences give one gadget).
+
+    Args:
+        ptr: ``int64[S+1]``; labels, targets: ``int32[E]`` -- state s's arcs (class id, next state) are
+            ``ptr[s]:ptr[s+1]``, in any order, classes distinct.
+
+    Returns:
+        ``(lab int32[E], rank int32[E], rt int32[E], nrank int64[S], h0 uint64[S], h1 uint64[S])``: per
+        state, its arcs' classes ascending and their ranks, and in ``rt[ptr[s]:ptr[s] + nrank[s]]`` its
+        distinct targets in rank order.
+    """
+    S = ptr.shape[0] - 1
+    E = labels.shape[0]
+    lab = labels.copy()
+    tgt = targets.copy()
+    rank = np.empty(E, np.int32)
+    rt = np.empty(E, np.int32)
+    nrank = np.zeros(S, np.int64)
+    h0 = np.empty(S, np.uint64)
+    h1 = np.empty(S, np.uint64)
+    m0 = np.uint64(0x9E3779B97F4A7C15)
+    m1 = np.uint64(0xBF58476D1CE4E5B9)
+    for s in range(S):
+        a = ptr[s]
+        b = ptr[s + 1]
+        for i in range(a + 1, b):  # insertion sort by class (a few arcs per state)
+            x = lab[i]
+            y = tgt[i]
+            j = i - 1
+            while j >= a and lab[j] > x:
+                lab[j + 1] = lab[j]
+                tgt[j + 1] = tgt[j]
+                j -= 1
+            lab[j + 1] = x
+            tgt[j + 1] = y
+        n = 0
+        x0 = np.uint64(b - a) * m0
+        x1 = np.uint64(b - a) ^ m1
+        for i in range(a, b):
+            t = tgt[i]
+            r = -1
+            for j in range(n):
+                if rt[a + j] == t:
+                    r = j
+                    break
+            if r < 0:
+                r = n
+                rt[a + n] = t
+                n += 1
+            rank[i] = r
+            v = (np.uint64(lab[i]) << np.uint64(32)) | np.uint64(r)
+            x0 = (x0 ^ (v + m1)) * m0
+            x0 ^= x0 >> np.uint64(29)
+            x1 = (x1 + v * m1) * (m0 | np.uint64(1))
+            x1 ^= x1 >> np.uint64(31)
+        nrank[s] = n
+        h0[s] = x0
+        h1[s] = x1
+    return lab, rank, rt, nrank, h0, h1
+
+
+@_jit
+def expand_gadgets(table, g_rows, g_ptr, slot, base, ptr, rt):
+    """The byte table of every character state's gadget (:func:`.regex_to_bytes.byte_dfa_table`), in
+    place: character state s (byte state s) uses gadget ``slot[s]``, whose rows are
+    ``g_rows[g_ptr[g]:g_ptr[g+1]]`` (``int32[ng, 256]``: ``>= 0`` internal state, -1 reject, ``-2 - e``
+    exit e); its internal state j > 0 is byte state ``base[s] + j - 1``, its exit e the character state
+    ``rt[ptr[s] + e]`` (:func:`char_arc_keys`)."""
+    for s in range(slot.shape[0]):
+        g = slot[s]
+        lo = g_ptr[g]
+        for j in range(g_ptr[g + 1] - lo):
+            q = s if j == 0 else base[s] + j - 1
+            for b in range(256):
+                v = g_rows[lo + j, b]
+                if v > 0:
+                    table[q, b] = base[s] + v - 1
+                elif v == 0:
+                    table[q, b] = s
+                elif v == -1:
+                    table[q, b] = -1
+                else:
+                    table[q, b] = rt[ptr[s] - 2 - v]
 
 
 @_jit
@@ -1774,6 +1863,9 @@ def warm_up() -> None:
         byte_classes_exact(table)
         first_keys(np.zeros(2, np.uint64), np.zeros(2, np.uint64), i64)
         vector_fst_arcs(np.array([0x7F800000, 0, 0], np.int32), 0, 1)
+        char_arc_keys(np.array([0, 1], np.int64), i32[:1].copy(), i32[:1].copy())
+        expand_gadgets(np.full((1, 256), -1, np.int32), np.full((1, 256), -1, np.int32), np.array([0, 1], np.int64),
+                       i64[:1].copy(), i64[:1].copy(), np.array([0, 1], np.int64), i32[:1].copy())
         no_kids = np.zeros(0, np.int32)
         h, sums = np.zeros((6, 1), np.uint64), np.zeros((2, 1), np.uint64)
         walk_class_trie(np.array([1, 1], np.int64), no_kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, False, h, sums,

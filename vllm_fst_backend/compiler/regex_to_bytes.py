@@ -33,7 +33,7 @@ from ..errors import CompileBudgetError
 from .char_dfa import CharDFA, build_char_dfa
 from .regex_parse import parse_regex
 
-__all__ = ["ByteDFA", "regex_to_char_dfa", "byte_dfa_table", "byte_dfa_fst", "utf8_sequences"]
+__all__ = ["ByteDFA", "regex_to_char_dfa", "byte_dfa_table", "byte_dfa_table_reference", "byte_dfa_fst", "utf8_sequences"]
 
 
 @dataclass
@@ -195,6 +195,77 @@ def _gadget(groups: tuple) -> np.ndarray:
 
 def byte_dfa_table(cdfa: CharDFA, *, max_states: int = 200_000, deadline: float | None = None) -> ByteDFA:
     """Expand the character DFA into a dense byte-level DFA (module docstring, fast path).
+
+    Each character state's arcs, by class, with their targets numbered by first appearance (the state's
+    gadget exits) are keyed in one kernel call (:func:`.kernels.char_arc_keys`); states with one key share
+    a gadget, built once per key; every row is then written in one kernel call
+    (:func:`.kernels.expand_gadgets`). The result is
+    :func:`byte_dfa_table_reference`'s, array for array (taken instead when two keys' hashes collide).
+
+    Returns:
+        :class:`ByteDFA` with ``table: int32[n, 256]`` (start 0, character states first: byte state
+        ``char_entry[c]`` is character state ``c``), ``final: bool[n]``.
+
+    Raises:
+        CompileBudgetError: more than ``max_states`` byte states, or past ``deadline``.
+    """
+    from itertools import chain
+
+    from . import kernels
+
+    trans = cdfa.trans
+    nc = cdfa.num_states
+    narcs = np.fromiter(map(len, trans), dtype=np.int64, count=nc)
+    ptr = np.zeros(nc + 1, dtype=np.int64)
+    np.cumsum(narcs, out=ptr[1:])
+    E = int(ptr[-1])
+    labels = np.fromiter(chain.from_iterable(trans), dtype=np.int32, count=E)
+    targets = np.fromiter(chain.from_iterable(r.values() for r in trans), dtype=np.int32, count=E)
+    lab, rank, rt, nrank, h0, h1 = kernels.char_arc_keys(ptr, labels, targets)
+    inv, n_keys = kernels.first_keys(h0, h1, narcs)
+    first = np.full(n_keys, -1, dtype=np.int64)
+    first[inv[::-1]] = np.arange(nc - 1, -1, -1)  # (the first state of each key)
+    owner = np.repeat(np.arange(nc), narcs)
+    same = ptr[first[inv[owner]]] + (np.arange(E) - ptr[owner])  # each arc's place in its key's first state
+    if not (np.array_equal(lab, lab[same]) and np.array_equal(rank, rank[same])):  # (a hash collision)
+        return byte_dfa_table_reference(cdfa, max_states=max_states, deadline=deadline)
+    gadgets, slot_of_key, slot_of = [], np.empty(n_keys, dtype=np.int64), {}
+    for u, s in enumerate(first.tolist()):
+        cls, rk = lab[ptr[s] : ptr[s + 1]].tolist(), rank[ptr[s] : ptr[s + 1]].tolist()
+        groups = tuple(tuple(sorted(r for c, j in zip(cls, rk) if j == i for r in cdfa.classes[c]))
+                       for i in range(int(nrank[s])))
+        g = _gadget(groups)
+        k = slot_of.get(id(g))
+        if k is None:
+            k = slot_of[id(g)] = len(gadgets)
+            gadgets.append(g)
+        slot_of_key[u] = k
+    slot = slot_of_key[inv]
+    sizes = np.fromiter((g.shape[0] - 1 for g in gadgets), dtype=np.int64, count=len(gadgets))
+    total = nc + int(sizes[slot].sum())
+    if total > max_states:
+        raise CompileBudgetError(f"byte automaton exceeds {max_states} states", None)
+    if deadline is not None and time.perf_counter() > deadline:
+        raise CompileBudgetError("regex compilation exceeded the time budget", None)
+    # inner byte states numbered per gadget in order of first use, its states ascending, ng - 1 each
+    # (byte_dfa_table_reference's numbering); then every row in one kernel call
+    order = np.argsort(slot, kind="stable")
+    grow = sizes[slot[order]]
+    base = np.empty(nc, dtype=np.int64)
+    base[order] = nc + np.cumsum(grow) - grow
+    g_ptr = np.zeros(len(gadgets) + 1, dtype=np.int64)
+    np.cumsum(sizes + 1, out=g_ptr[1:])
+    table = np.empty((total, 256), dtype=np.int32)
+    kernels.expand_gadgets(table, np.ascontiguousarray(np.concatenate(gadgets), dtype=np.int32), g_ptr, slot, base,
+                           ptr, rt)
+    final = np.zeros(total, dtype=bool)
+    final[:nc] = np.asarray(cdfa.final, dtype=bool)
+    return ByteDFA(table=table, final=final, char_entry=np.arange(nc, dtype=np.int32))
+
+
+def byte_dfa_table_reference(cdfa: CharDFA, *, max_states: int = 200_000, deadline: float | None = None) -> ByteDFA:
+    """:func:`byte_dfa_table` one character state at a time in Python (the tests compare them; taken on a
+    hash collision of the states' keys).
 
     Returns:
         :class:`ByteDFA` with ``table: int32[n, 256]`` (start 0, character states first: byte state
