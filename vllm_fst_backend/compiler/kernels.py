@@ -482,6 +482,30 @@ def walk_class_trie(kid_ptr, kids, byte_of_cnode, group_of_node, table, sources,
 
 
 @_jit
+def _heaviest_successor(tab, q, csize, acc):
+    """``(r, b)``: the successor of byte state q that most bytes lead to (``csize[k]`` bytes per class k;
+    the first class wins ties: deterministic) and that byte count; ``(-1, 0)`` without successor.
+    ``acc`` (``int64[n]``, zero) is scratch, left zero."""
+    K = tab.shape[1]
+    for k in range(K):
+        r = tab[q, k]
+        if r >= 0:
+            acc[r] += csize[k]
+    best_r = -1
+    best_b = 0
+    for k in range(K):
+        r = tab[q, k]
+        if r >= 0 and acc[r] > best_b:
+            best_b = acc[r]
+            best_r = r
+    for k in range(K):
+        r = tab[q, k]
+        if r >= 0:
+            acc[r] = 0
+    return best_r, best_b
+
+
+@_jit
 def chain_info(tab, sources, csize, min_bytes, max_depth):
     """Counter chains of the walk's sources (``token_dfa._FusedWalk``): for source ``q = sources[i]``, X
     is the set of byte classes leading to q's most common successor (by bytes: ``csize[k]`` = bytes in
@@ -507,21 +531,7 @@ def chain_info(tab, sources, csize, min_bytes, max_depth):
     acc = np.zeros(tab.shape[0], np.int64)
     for i in range(n):
         q = sources[i]
-        for k in range(K):
-            r = tab[q, k]
-            if r >= 0:
-                acc[r] += csize[k]
-        best_r = -1
-        best_b = 0
-        for k in range(K):  # (first class wins ties: deterministic)
-            r = tab[q, k]
-            if r >= 0 and acc[r] > best_b:
-                best_b = acc[r]
-                best_r = r
-        for k in range(K):
-            r = tab[q, k]
-            if r >= 0:
-                acc[r] = 0
+        best_r, best_b = _heaviest_successor(tab, q, csize, acc)
         if best_r < 0 or best_b < min_bytes:
             continue
         for k in range(K):
@@ -605,21 +615,7 @@ def prefix_paths(tab, sources, csize, max_d):
             first_ok[i, k] = tab[q, k] >= 0
         cur = q
         for j in range(max_d):
-            for k in range(K):
-                r = tab[cur, k]
-                if r >= 0:
-                    acc[r] += csize[k]
-            best_r = -1
-            best_b = 0
-            for k in range(K):
-                r = tab[cur, k]
-                if r >= 0 and acc[r] > best_b:
-                    best_b = acc[r]
-                    best_r = r
-            for k in range(K):
-                r = tab[cur, k]
-                if r >= 0:
-                    acc[r] = 0
+            best_r = _heaviest_successor(tab, cur, csize, acc)[0]
             if best_r < 0:
                 break
             for k in range(K):
