@@ -6,7 +6,7 @@ For objects of N optional strings (``maxLength`` 30) it prints, and writes into 
 (section "Leading optional properties") unless ``--no-write``:
 
 * the converted regex's length (characters) and its character positions (``regex_parse.estimate_positions``,
-  the quantity the 8,000-position budget bounds);
+  the quantity the position budget bounds);
 * the character DFA with each member's positions built once (``_Glushkov.share_optional_tails``, the
   default) and with a copy per place it is written: states before minimization and build time (best of
   ``--repeats``; the minimal DFA is the same);
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_fst_backend.artifacts.store import load_artifacts
     from vllm_fst_backend.compiler import compile_regex, forget_verdicts, prepare
+    from vllm_fst_backend.compiler.compile import DEFAULT_BUDGETS
     from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
     from vllm_fst_backend.compiler.regex_parse import estimate_positions, parse_regex
     from vllm_fst_backend.compiler.service import settle_heap
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             "converted tree, states before minimization (the minimal DFA is the same either way) and build time, "
             "with the members' positions built once (the default) and with a copy per place each is written "
             "(`_Glushkov.share_optional_tails = False`). Positions: `estimate_positions`, bounded by the "
-            "8,000-position budget (counting each member once).")
+            f"{DEFAULT_BUDGETS.max_positions:,}-position budget (counting each member once); the character DFA by "
+            f"the {DEFAULT_BUDGETS.max_char_states:,}-state budget (states before minimization).")
     if not args.no_write:
         from scripts.bench_common import write_section
 
