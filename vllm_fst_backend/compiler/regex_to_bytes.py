@@ -223,8 +223,7 @@ def byte_dfa_table(cdfa: CharDFA, *, max_states: int = 200_000, deadline: float 
     targets = np.fromiter(chain.from_iterable(r.values() for r in trans), dtype=np.int32, count=E)
     lab, rank, rt, nrank, h0, h1 = kernels.char_arc_keys(ptr, labels, targets)
     inv, n_keys = kernels.first_keys(h0, h1, narcs)
-    first = np.full(n_keys, -1, dtype=np.int64)
-    first[inv[::-1]] = np.arange(nc - 1, -1, -1)  # (the first state of each key)
+    first = np.unique(inv, return_index=True)[1]  # (the first state of each key; keys numbered so)
     owner = np.repeat(np.arange(nc), narcs)
     same = ptr[first[inv[owner]]] + (np.arange(E) - ptr[owner])  # each arc's place in its key's first state
     if not (np.array_equal(lab, lab[same]) and np.array_equal(rank, rank[same])):  # (a hash collision)
