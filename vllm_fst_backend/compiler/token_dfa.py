@@ -627,7 +627,12 @@ class _FusedWalk:
         D = self._PREFIX_MAX_STEPS
         rpath, ymask, first_ok = kernels.prefix_paths(self.tab, np.ascontiguousarray(src[nonchain]), self.csize, D)
         reach = self.first_reach
-        if reach is None or int((first_ok @ reach).sum()) < self._CHAIN_MIN_VISITS:  # (all of them together: not worth it)
+        if reach is None:
+            return []
+        # (a variant needs sources with one set of first classes whose walks could visit _CHAIN_MIN_VISITS
+        # nodes in all; none has: not worth the rest)
+        fk, finv = _unique_bool_rows(first_ok)
+        if int((np.bincount(finv, minlength=len(fk)) * (fk @ reach)).max()) < self._CHAIN_MIN_VISITS:
             return []
         cand = np.unique(rpath[rpath >= 0]).astype(np.int32)
         if not len(cand):
