@@ -2425,14 +2425,9 @@ EXPLICIT_MAX_REGEX_TOKENS = 4096  # (:func:`canonical_automaton`: no explicit at
 
 
 def _max_state_tokens(M: TokenDFA, gsize: np.ndarray) -> int:
-    """The most tokens any state of ``M`` allows: its edges' group sizes (``gsize``, ``int64[G]``) summed;
-    O(edges)."""
-    if not len(M.edge_group):
-        return 0
-    per_edge = np.cumsum(gsize[M.edge_group], dtype=np.int64)
-    ends = per_edge[M.edge_ptr[1:] - 1]
-    starts = np.where(M.edge_ptr[:-1] > 0, per_edge[np.maximum(M.edge_ptr[:-1] - 1, 0)], 0)
-    return int((np.where(M.edge_ptr[1:] > M.edge_ptr[:-1], ends - starts, 0)).max())
+    """The most tokens any state of ``M`` allows (:meth:`.token_dfa.TokenDFA.tokens_per_state` with the
+    group sizes ``gsize``, ``int64[G]``)."""
+    return int(M.tokens_per_state(gsize).max(initial=0))
 
 
 def _try_explicit(fc: FactoredCanonical, V: int, eos_ids, max_states: int, max_edges: int, deadline: float, stats):

@@ -46,8 +46,7 @@ def explicit_from_token_dfa(tdfa: TokenDFA, eos_ids, vocab_size: int, stats: dic
     G = tdfa.num_groups
     gsize = np.bincount(tg[tg >= 0], minlength=G)
     n_eos = len(np.asarray(eos_ids))
-    cs = np.concatenate([[0], np.cumsum(gsize[grp], dtype=np.int64)])
-    counts = cs[ptr[1:]] - cs[ptr[:-1]] + np.where(tdfa.accepting, n_eos, 0)
+    counts = tdfa.tokens_per_state(gsize) + np.where(tdfa.accepting, n_eos, 0)
     forced = np.full(S, -1, dtype=np.int32)
     one = np.flatnonzero(counts == 1)
     if len(one):

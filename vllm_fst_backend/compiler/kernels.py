@@ -626,18 +626,17 @@ def prefix_paths(tab, sources, csize, max_d):
 
 
 @_jit
-def pure_nodes(parent, label, masks, first_ok):
+def pure_nodes(parent, label, depth, masks, first_ok):
     """The class-trie nodes whose byte string is spelled in the classes ``masks`` (``bool[D+1, K]``: a
     node at depth t >= 1 reads row ``min(t - 1, D)``; D = 0 for a counter chain, D = d for a chain after a
     prefix of d steps), and the *dead* nodes: those under a first byte whose class is not in ``first_ok``
     (``bool[K]``; no source of the variant reads them). ``parent``/``label``: ``int32[M]`` of the class
-    trie, numbered level by level (parents precede children). Returns ``(pure bool[M], dead bool[M])``;
-    the root, the empty string, is pure."""
+    trie, numbered level by level (parents precede children); ``depth``: ``int64[M]``, each node's depth.
+    Returns ``(pure bool[M], dead bool[M])``; the root, the empty string, is pure."""
     M = parent.shape[0]
     D = masks.shape[0] - 1
     pure = np.zeros(M, np.bool_)
     dead = np.zeros(M, np.bool_)
-    depth = np.zeros(M, np.int64)
     if M:
         pure[0] = True
     for c in range(1, M):
@@ -645,8 +644,7 @@ def pure_nodes(parent, label, masks, first_ok):
         if dead[p]:
             dead[c] = True
             continue
-        t = depth[p] + 1
-        depth[c] = t
+        t = depth[c]
         if t == 1 and not first_ok[label[c]]:
             dead[c] = True
             continue
@@ -1866,7 +1864,8 @@ def warm_up() -> None:
         h, sums = np.zeros((6, 1), np.uint64), np.zeros((2, 1), np.uint64)
         walk_class_trie(np.array([1, 1], np.int64), no_kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, False, h, sums,
                         i64[:1].copy(), np.zeros(1, np.bool_), 0, no_kids, no_kids, no_kids, 0)
-        pure_nodes(np.array([-1], np.int32), np.array([-1], np.int32), np.ones((1, 1), np.bool_), np.ones(1, np.bool_))
+        pure_nodes(np.array([-1], np.int32), np.array([-1], np.int32), np.zeros(1, np.int64), np.ones((1, 1), np.bool_),
+                   np.ones(1, np.bool_))
         prefix_paths(table[:, :1].copy(), i32[:1], i64[:1], 1)
         kp, kids = prune_trie(np.array([-1], np.int32), np.array([1, 1], np.int64), np.ones(1, np.bool_))
         walk_class_trie(kp, kids, i32[:1], i32[:1], table, i32[:1], 0, 1, 1, True, h, sums, i64[:1].copy(),

@@ -193,6 +193,13 @@ def _gadget(groups: tuple) -> np.ndarray:
     return g
 
 
+def _gadget_of(cdfa: CharDFA, classes, ranks, n_exits: int) -> np.ndarray:
+    """The gadget of a character state whose arcs, by class (``classes``, ascending), exit by ``ranks``
+    (their targets numbered by first appearance): exit i reads the code points of the classes ranked i."""
+    return _gadget(tuple(tuple(sorted(r for c, j in zip(classes, ranks) if j == i for r in cdfa.classes[c]))
+                         for i in range(n_exits)))
+
+
 def byte_dfa_table(cdfa: CharDFA, *, max_states: int = 200_000, deadline: float | None = None) -> ByteDFA:
     """Expand the character DFA into a dense byte-level DFA (module docstring, fast path).
 
@@ -230,10 +237,7 @@ def byte_dfa_table(cdfa: CharDFA, *, max_states: int = 200_000, deadline: float 
         return byte_dfa_table_reference(cdfa, max_states=max_states, deadline=deadline)
     gadgets, slot_of_key, slot_of = [], np.empty(n_keys, dtype=np.int64), {}
     for u, s in enumerate(first.tolist()):
-        cls, rk = lab[ptr[s] : ptr[s + 1]].tolist(), rank[ptr[s] : ptr[s + 1]].tolist()
-        groups = tuple(tuple(sorted(r for c, j in zip(cls, rk) if j == i for r in cdfa.classes[c]))
-                       for i in range(int(nrank[s])))
-        g = _gadget(groups)
+        g = _gadget_of(cdfa, lab[ptr[s] : ptr[s + 1]].tolist(), rank[ptr[s] : ptr[s + 1]].tolist(), int(nrank[s]))
         k = slot_of.get(id(g))
         if k is None:
             k = slot_of[id(g)] = len(gadgets)
@@ -264,15 +268,7 @@ def byte_dfa_table(cdfa: CharDFA, *, max_states: int = 200_000, deadline: float 
 
 def byte_dfa_table_reference(cdfa: CharDFA, *, max_states: int = 200_000, deadline: float | None = None) -> ByteDFA:
     """:func:`byte_dfa_table` one character state at a time in Python (the tests compare them; taken on a
-    hash collision of the states' keys).
-
-    Returns:
-        :class:`ByteDFA` with ``table: int32[n, 256]`` (start 0, character states first: byte state
-        ``char_entry[c]`` is character state ``c``), ``final: bool[n]``.
-
-    Raises:
-        CompileBudgetError: more than ``max_states`` byte states, or past ``deadline``.
-    """
+    hash collision of the states' keys): the same arguments, result and errors."""
     nc = cdfa.num_states
     plans = []  # per char state: (gadget, exit targets)
     key_cache: dict = {}
@@ -285,11 +281,7 @@ def byte_dfa_table_reference(cdfa: CharDFA, *, max_states: int = 200_000, deadli
         key = (tuple([c for c, _ in items]), tuple([rank.setdefault(t, len(rank)) for _, t in items]))
         g = key_cache.get(key)
         if g is None:
-            groups = []
-            for i in range(len(rank)):
-                rs = sorted(r for c, j in zip(*key) if j == i for r in cdfa.classes[c])
-                groups.append(tuple(rs))
-            g = key_cache[key] = _gadget(tuple(groups))
+            g = key_cache[key] = _gadget_of(cdfa, key[0], key[1], len(rank))
         plans.append((g, np.fromiter(rank, dtype=np.int32, count=len(rank))))
         total += g.shape[0] - 1
         if total > max_states:

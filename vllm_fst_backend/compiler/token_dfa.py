@@ -73,6 +73,12 @@ class TokenDFA:
     num_groups: int
     byte_state: np.ndarray
 
+    def tokens_per_state(self, group_size: np.ndarray) -> np.ndarray:
+        """``int64[S]``: the tokens each state allows (the sizes ``group_size`` (``int[G]``) of its edge
+        groups summed; EOS not counted)."""
+        cs = np.concatenate([[0], np.cumsum(group_size[self.edge_group], dtype=np.int64)])
+        return cs[self.edge_ptr[1:]] - cs[self.edge_ptr[:-1]]
+
     def group_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """CSR of tokens per group: ``(ptr int64[G+1], tokens int32[n])``, tokens sorted."""
         tg = self.token_group
@@ -706,7 +712,8 @@ class _FusedWalk:
             return self._variants[key]
         ct = self.ct
         M = len(ct.parent)
-        pure, dead = kernels.pure_nodes(ct.parent, ct.label, np.ascontiguousarray(masks, dtype=bool), fo)
+        pure, dead = kernels.pure_nodes(ct.parent, ct.label, self._node_depth, np.ascontiguousarray(masks, dtype=bool),
+                                        fo)
         keep = ~pure & ~dead
         res = None
         if keep.sum() <= self._CHAIN_MAX_SHARE * M:

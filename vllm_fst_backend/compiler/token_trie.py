@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -36,6 +35,9 @@ class TokenTrie:
         byte_fallback: ``int32[256]`` -- byte → ``<0xNN>`` token id, -1 if none.
         single_byte_piece: ``bool[256]`` -- a normal (non-byte-fallback) token spells exactly this byte.
         token_bytes: the list of token spellings (``None`` for special tokens).
+        first_byte_nodes: ``int64[256]`` -- the number of trie nodes under each first byte (what a walk
+            from a state accepting only that first byte can visit at most; the token DFA's prefixed chains
+            weigh their cost with it).
     """
 
     vocab_size: int
@@ -47,6 +49,7 @@ class TokenTrie:
     byte_fallback: np.ndarray
     single_byte_piece: np.ndarray
     token_bytes: list
+    first_byte_nodes: np.ndarray
 
     @property
     def num_nodes(self) -> int:
@@ -55,17 +58,6 @@ class TokenTrie:
     @property
     def max_depth(self) -> int:
         return int(self.level_ptr.shape[0] - 2)
-
-    @cached_property
-    def first_byte_nodes(self) -> np.ndarray:
-        """``int64[256]``: the number of trie nodes under each first byte (what a walk from a state
-        accepting only that first byte can visit at most; the token DFA's prefixed chains weigh their cost
-        with it), computed once per trie."""
-        anc = np.arange(self.num_nodes, dtype=np.int64)
-        lp = self.level_ptr
-        for d in range(2, len(lp) - 1):  # (level order: a node's depth-1 ancestor is its parent's)
-            anc[lp[d] : lp[d + 1]] = anc[self.node_parent[lp[d] : lp[d + 1]]]
-        return np.bincount(self.node_byte[anc[1:]], minlength=256).astype(np.int64)
 
 
 def build_token_trie(token_bytes: list, byte_fallback) -> TokenTrie:
@@ -111,9 +103,14 @@ def build_token_trie(token_bytes: list, byte_fallback) -> TokenTrie:
     for t, tb in enumerate(token_bytes):
         if tb is not None and len(tb) == 1 and t not in bf_ids:
             single[tb[0]] = True
+    anc = np.arange(len(parent), dtype=np.int64)  # each node's depth-1 ancestor (level order: its parent's)
+    for d in range(2, len(level_ptr) - 1):
+        anc[level_ptr[d] : level_ptr[d + 1]] = anc[parent[level_ptr[d] : level_ptr[d + 1]]]
+    first_nodes = np.bincount(byte[anc[1:]], minlength=256).astype(np.int64)
     return TokenTrie(
         vocab_size=V, node_parent=parent, node_byte=byte, level_ptr=level_ptr, child_ptr=child_ptr,
         tok_node=tok_node, byte_fallback=bf, single_byte_piece=single, token_bytes=token_bytes,
+        first_byte_nodes=first_nodes,
     )
 
 
