@@ -36,7 +36,7 @@ class CompileBudgets:
     The state and position budgets catch explosive regexes early (``(a|b)*a(a|b){20}``: the 10,000-state
     budget in ~50 ms); the time budget and the compile process's memory budget bound the rest. They admit a
     JSON string of ``maxLength`` up to ~1,400 (about 7 character states and 10 positions per unit; SmolLM2
-    ~0.4 s, Tekken ~0.5 s on 2 CPU cores; docs/compiler.md).
+    ~0.26 s, Tekken ~0.5 s on 2 CPU cores; docs/benchmarks.md, "Bounded strings").
     """
 
     def __init__(self, max_positions: int = 20_000, max_char_states: int = 10_000, max_byte_states: int = 100_000,
