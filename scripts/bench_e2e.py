@@ -1652,8 +1652,8 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
     ]
     if any(r.get("round") for r in rows):
         notes.append(
-            "Rows \"round k\": the first row size run again on the same server, each round with new constraints "
-            "(the next cases of the same seeded list, after the other rows' ones): a run's figures vary a lot on this "
+            "Rows \"round k\": a row size run again on the same server, each round with new constraints "
+            "(the next cases of the same seeded list; round 1 of every size first, then round 2, ...): a run's figures vary a lot on this "
             "host, so the targets use each backend's medians over the rounds (TTFT p50 / p90, tokens/s), its worst "
             "/health over all of them, and its outputs pooled."
         )
@@ -1762,24 +1762,32 @@ class ServingConfig:
     timeout: float = 600.0
     repeat: bool = False  # run the first row size again on the same server (its constraints seen before)
     rounds: int = 1  # runs of the first row size, each with new constraints (targets: their medians)
+    large_rounds: int = 1  # the same for the other row sizes
+
+
+def serving_plan(scfg: ServingConfig) -> list[tuple[int, int, int, bool, int]]:
+    """The runs of the serving workload on one server, in order: ``(first case, requests, concurrency,
+    constraints seen before, round or 0)``, indices into :func:`make_serving_cases`. Round 1 of every row
+    size, then round 2 of every size that has one, and so on (a spell of host noise does not fall on the
+    rounds of one size only); every run has new constraints but the first size repeated, last."""
+    rounds = [max(scfg.rounds if i == 0 else scfg.large_rounds, 1) for i in range(len(scfg.sizes))]
+    runs, start = [], 0
+    for k in range(1, max(rounds, default=1) + 1):
+        for (n, conc), r in zip(scfg.sizes, rounds):
+            if k <= r:
+                runs.append((start, n, conc, False, k if r > 1 else 0))
+                start += n
+    if scfg.sizes and scfg.repeat:
+        runs.append((0, scfg.sizes[0][0], scfg.sizes[0][1], True, 0))
+    return runs
 
 
 def serving_rows(backend: str, base: str, scfg: ServingConfig, tokenizer, stop_ids: set[int]) -> list[dict]:
-    """Every row size of the serving workload on one running server (distinct constraints across rows)."""
-    extra = max(scfg.rounds - 1, 0) * (scfg.sizes[0][0] if scfg.sizes else 0)
-    cases = make_serving_cases(sum(n for n, _ in scfg.sizes) + extra)
+    """Every run of :func:`serving_plan` on one running server."""
+    plan = serving_plan(scfg)
+    cases = make_serving_cases(max((a + n for a, n, _, again, _ in plan if not again), default=0))
     serving_warmup(base, backend)
-    runs, start = [], 0  # (cases, concurrency, constraints seen before, round or 0)
-    for i, (n, conc) in enumerate(scfg.sizes):
-        runs.append((cases[start : start + n], conc, False, 1 if i == 0 and scfg.rounds > 1 else 0))
-        start += n
-    if scfg.sizes:
-        n, conc = scfg.sizes[0]
-        for k in range(2, scfg.rounds + 1):  # more rounds of the first size, each with new constraints
-            runs.append((cases[start : start + n], conc, False, k))
-            start += n
-        if scfg.repeat:
-            runs.append((cases[:n], conc, True, 0))
+    runs = [(cases[a : a + n], conc, again, rnd) for a, n, conc, again, rnd in plan]
     rows = []
     for part, conc, again, rnd in runs:
         print(f"[bench_e2e] {backend}/serving: {_size_label(len(part), conc, again)}{f', round {rnd}' if rnd else ''} ...", flush=True)
@@ -1832,6 +1840,10 @@ def parse_args(argv=None):
         "--serving-rounds", type=int, default=1,
         help="serving workload: run the first row size this many times on the same server, each round with new "
              "constraints (rows '<n> × <c>, round k'); the targets then use the medians over the rounds",
+    )  # fmt: skip
+    ap.add_argument(
+        "--serving-large-rounds", type=int, default=1,
+        help="serving workload: the same for the second row size (64 × 32)",
     )  # fmt: skip
     ap.add_argument("--serving-max-tokens", type=int, default=96)
     ap.add_argument("--serving-temperature", type=float, default=0.7)
@@ -1915,7 +1927,7 @@ def main(argv=None) -> int:
     if not args.no_serving_large:
         sizes.append((args.serving_large_requests, args.serving_large_concurrency))
     scfg = ServingConfig(sizes, args.serving_max_tokens, args.serving_temperature, args.serving_json_via, repeat=args.serving_repeat,
-                         rounds=max(1, args.serving_rounds))
+                         rounds=max(1, args.serving_rounds), large_rounds=max(1, args.serving_large_rounds))
     do_serving = "serving" in args.workloads
 
     serving_fail: dict[str, str] = {}

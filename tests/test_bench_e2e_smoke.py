@@ -128,6 +128,21 @@ def test_serving_cases_distinct_valid_and_deterministic():
     assert len({c.name for c in cases if c.kind == "regex"}) >= 6  # several regex families
 
 
+def test_serving_plan_rounds_of_both_row_sizes():
+    """``--serving-rounds`` / ``--serving-large-rounds``: round 1 of every size, then the later rounds
+    interleaved, each run on new cases (no case twice but the repeated first row, last)."""
+    b = _bench()
+    plan = b.serving_plan(b.ServingConfig([(24, 8), (64, 32)], rounds=3, large_rounds=2, repeat=True))
+    assert [(n, c, again, r) for _, n, c, again, r in plan] == [
+        (24, 8, False, 1), (64, 32, False, 1), (24, 8, False, 2), (64, 32, False, 2), (24, 8, False, 3), (24, 8, True, 0)]
+    new = [range(a, a + n) for a, n, _, again, _ in plan if not again]
+    seen = [i for r in new for i in r]
+    assert len(seen) == len(set(seen)) == 3 * 24 + 2 * 64 and min(seen) == 0
+    assert plan[-1][:2] == (0, 24)
+    # one round each (the default): the two sizes once, unnumbered, as before
+    assert b.serving_plan(b.ServingConfig([(24, 8), (64, 32)])) == [(0, 24, 8, False, 0), (24, 64, 32, False, 0)]
+
+
 def test_serving_request_body():
     b = _bench()
     cases = b.make_serving_cases(3)
