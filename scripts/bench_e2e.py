@@ -1651,8 +1651,11 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
         f"Host: {meta.get('host', '?')}. The client shares the machine with the server: speed figures are noisy.",
     ]
     if any(r.get("round") for r in rows):
+        where = ("on a fresh server per backend and round (`--serving-interleave`; the backends in the order of "
+                 "`--backends` in odd rounds, reversed in even ones, so that no backend always runs first)"
+                 if meta.get("serving", {}).get("interleave") else "again on the same server")
         notes.append(
-            "Rows \"round k\": a row size run again on the same server, each round with new constraints "
+            f"Rows \"round k\": a row size run {where}, each round with new constraints "
             "(the next cases of the same seeded list; round 1 of every size first, then round 2, ...): a run's figures vary a lot on this "
             "host, so the targets use each backend's medians over the rounds (TTFT p50 / p90, tokens/s), its worst "
             "/health over all of them, and its outputs pooled."
@@ -1686,11 +1689,12 @@ def serving_notes(meta: dict, rows: list[dict]) -> list[str]:
 _CACHE_HIT_LINE = re.compile(r"fst: request \S+: \w+ constraint \(.*\) compiled in ([0-9.]+) ms \(cache hit\)")
 
 
-def engine_load_stats(log_path: Path) -> dict | None:
-    """p50 / p90 / max ms (and n) of the fst engine's grammar creations from the disk cache, read from a
-    server log (``FstBackend.compile_request``'s line ending in "(cache hit)"); None without any."""
+def engine_load_stats(log_paths: list[Path]) -> dict | None:
+    """p50 / p90 / max ms (and n) of the fst engine's grammar creations from the disk cache, read from
+    server logs (``FstBackend.compile_request``'s line ending in "(cache hit)"); None without any."""
     try:
-        ms = [float(m.group(1)) for m in map(_CACHE_HIT_LINE.search, log_path.read_text(errors="replace").splitlines()) if m]
+        ms = [float(m.group(1)) for p in log_paths
+              for m in map(_CACHE_HIT_LINE.search, p.read_text(errors="replace").splitlines()) if m]
     except OSError:
         return None
     if not ms:
@@ -1763,13 +1767,16 @@ class ServingConfig:
     repeat: bool = False  # run the first row size again on the same server (its constraints seen before)
     rounds: int = 1  # runs of the first row size, each with new constraints (targets: their medians)
     large_rounds: int = 1  # the same for the other row sizes
+    interleave: bool = False  # each round on fresh servers, the backends' order reversed every other round
 
 
-def serving_plan(scfg: ServingConfig) -> list[tuple[int, int, int, bool, int]]:
+def serving_plan(scfg: ServingConfig, round_no: int | None = None) -> list[tuple[int, int, int, bool, int]]:
     """The runs of the serving workload on one server, in order: ``(first case, requests, concurrency,
     constraints seen before, round or 0)``, indices into :func:`make_serving_cases`. Round 1 of every row
     size, then round 2 of every size that has one, and so on (a spell of host noise does not fall on the
-    rounds of one size only); every run has new constraints but the first size repeated, last."""
+    rounds of one size only); every run has new constraints but the first size repeated, last.
+    ``round_no``: only the runs of that round (round 1: with the unnumbered runs and the repeated one,
+    which must run on the server that saw its constraints), the same case indices."""
     rounds = [max(scfg.rounds if i == 0 else scfg.large_rounds, 1) for i in range(len(scfg.sizes))]
     runs, start = [], 0
     for k in range(1, max(rounds, default=1) + 1):
@@ -1779,13 +1786,29 @@ def serving_plan(scfg: ServingConfig) -> list[tuple[int, int, int, bool, int]]:
                 start += n
     if scfg.sizes and scfg.repeat:
         runs.append((0, scfg.sizes[0][0], scfg.sizes[0][1], True, 0))
+    if round_no is not None:
+        runs = [x for x in runs if max(x[4], 1) == round_no]
     return runs
 
 
-def serving_rows(backend: str, base: str, scfg: ServingConfig, tokenizer, stop_ids: set[int]) -> list[dict]:
-    """Every run of :func:`serving_plan` on one running server."""
-    plan = serving_plan(scfg)
-    cases = make_serving_cases(max((a + n for a, n, _, again, _ in plan if not again), default=0))
+def serving_round_count(scfg: ServingConfig) -> int:
+    """The rounds of :func:`serving_plan` (the most of any row size)."""
+    return max([max(scfg.rounds, 1)] + [max(scfg.large_rounds, 1)] * (len(scfg.sizes) > 1))
+
+
+def serving_order(backends: list[str], round_no: int) -> list[str]:
+    """The backends' order in a round of ``--serving-interleave``: as given in odd rounds, reversed in
+    even ones (no backend always runs first, on a host that has just started or finished another
+    server)."""
+    return list(backends) if round_no % 2 else list(reversed(backends))
+
+
+def serving_rows(backend: str, base: str, scfg: ServingConfig, tokenizer, stop_ids: set[int],
+                 round_no: int | None = None) -> list[dict]:
+    """Every run of :func:`serving_plan` (of round ``round_no`` only, when given) on one running server."""
+    full = serving_plan(scfg)
+    cases = make_serving_cases(max((a + n for a, n, _, again, _ in full if not again), default=0))
+    plan = full if round_no is None else serving_plan(scfg, round_no)
     serving_warmup(base, backend)
     runs = [(cases[a : a + n], conc, again, rnd) for a, n, conc, again, rnd in plan]
     rows = []
@@ -1844,6 +1867,11 @@ def parse_args(argv=None):
     ap.add_argument(
         "--serving-large-rounds", type=int, default=1,
         help="serving workload: the same for the second row size (64 × 32)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--serving-interleave", action="store_true",
+        help="serving workload alone: each round on fresh servers, the backends in the given order in odd rounds "
+             "and reversed in even ones (else each backend's server runs every round, one backend after the other)",
     )  # fmt: skip
     ap.add_argument("--serving-max-tokens", type=int, default=96)
     ap.add_argument("--serving-temperature", type=float, default=0.7)
@@ -1927,16 +1955,17 @@ def main(argv=None) -> int:
     if not args.no_serving_large:
         sizes.append((args.serving_large_requests, args.serving_large_concurrency))
     scfg = ServingConfig(sizes, args.serving_max_tokens, args.serving_temperature, args.serving_json_via, repeat=args.serving_repeat,
-                         rounds=max(1, args.serving_rounds), large_rounds=max(1, args.serving_large_rounds))
+                         rounds=max(1, args.serving_rounds), large_rounds=max(1, args.serving_large_rounds),
+                         interleave=args.serving_interleave)
     do_serving = "serving" in args.workloads
 
     serving_fail: dict[str, str] = {}
 
-    def serving(backend: str, base: str) -> None:
+    def serving(backend: str, base: str, round_no: int | None = None) -> None:
         if not do_serving:
             return
         try:
-            got = serving_rows(backend, base, scfg, tokenizer, stop_ids)
+            got = serving_rows(backend, base, scfg, tokenizer, stop_ids, round_no)
         except Exception as e:  # noqa: BLE001 - reported in the section, the other backends go on
             serving_fail[backend] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             print(f"[bench_e2e] {backend}/serving failed: {e!r}", file=sys.stderr, flush=True)
@@ -1954,8 +1983,13 @@ def main(argv=None) -> int:
     artifacts = args.fst_artifacts.resolve()
     if any(b.startswith("fst") for b in args.backends) and not args.server_url:
         print(f"[bench_e2e] fst artifacts {artifacts}: {ensure_fst_artifacts(artifacts, progress)}", flush=True)
-    for backend in args.backends:
-        log_path = log_dir / f"server_{backend}.log"
+    # (backend, serving round or None: every round); with --serving-interleave, one server per round
+    servers = [(b, None) for b in args.backends]
+    if scfg.interleave and not args.server_url:
+        servers = [(b, k) for k in range(1, serving_round_count(scfg) + 1) for b in serving_order(args.backends, k)]
+    logs: dict[str, list[Path]] = {}
+    for backend, round_no in servers:
+        log_path = log_dir / (f"server_{backend}.log" if round_no is None else f"server_{backend}_round{round_no}.log")
         if args.server_url:  # a server somebody else started (e.g. a test fixture): no start, no log
             log_path.touch()
             res = run_backend(backend, Client(args.server_url.rstrip("/")), cfg, log_path, progress)
@@ -1967,16 +2001,18 @@ def main(argv=None) -> int:
         print(f"[bench_e2e] starting the {backend} server on port {port} (log {log_path}) ...", flush=True)
         try:
             with vllm_server(backend, port, log_path, args.jump_k, args.server_arg, args.start_timeout, artifacts, not args.compiled) as (base, ready_s, _proc):
-                startup[backend] = ready_s
+                startup.setdefault(backend, ready_s)  # (the first start's)
                 print(f"[bench_e2e] {backend} server ready in {ready_s:.0f} s", flush=True)
-                res = run_backend(backend, Client(base), cfg, log_path, progress)
-                for wl, st in res.items():
-                    row = summarize(backend, wl, st, cfg, tokenizer, stop_ids)
-                    rows.append(row)
-                    print(f"[bench_e2e] {backend}/{wl}: " + json.dumps({k: v for k, v in row.items() if k not in ('tv_list', 'examples', 'greedy_ids')}, default=str), flush=True)
-                serving(backend, base)
+                if round_no in (None, 1):
+                    res = run_backend(backend, Client(base), cfg, log_path, progress)
+                    for wl, st in res.items():
+                        row = summarize(backend, wl, st, cfg, tokenizer, stop_ids)
+                        rows.append(row)
+                        print(f"[bench_e2e] {backend}/{wl}: " + json.dumps({k: v for k, v in row.items() if k not in ('tv_list', 'examples', 'greedy_ids')}, default=str), flush=True)
+                serving(backend, base, round_no)
             if backend.startswith("fst") and do_serving:
-                engine_loads[backend] = engine_load_stats(log_path)
+                logs.setdefault(backend, []).append(log_path)
+                engine_loads[backend] = engine_load_stats(logs[backend])
         except Exception as e:  # noqa: BLE001 - a backend that cannot start is reported, the others go on
             server_fail[backend] = str(e).splitlines()[0][:200]
             print(f"[bench_e2e] {backend} failed: {e}", file=sys.stderr, flush=True)
@@ -1985,7 +2021,8 @@ def main(argv=None) -> int:
     total_s = time.monotonic() - t_start
     meta = {"command": command, "total_s": total_s, "questions": len(questions), "samples": args.samples, "batch": args.batch,
             "host": host_note(), "workloads": list(args.workloads),
-            "serving": {"sizes": sizes, "max_tokens": scfg.max_tokens, "temperature": scfg.temperature, "json_via": scfg.json_via}}  # fmt: skip
+            "serving": {"sizes": sizes, "max_tokens": scfg.max_tokens, "temperature": scfg.temperature, "json_via": scfg.json_via,
+                        "interleave": bool(scfg.interleave and not args.server_url)}}  # fmt: skip
     data = {"meta": meta, "rows": rows, "fidelity": fid, "startup_s": startup, "server_fail": server_fail, "serving_fail": serving_fail,
             "engine_loads": engine_loads}
     if args.json_out:

@@ -141,6 +141,14 @@ def test_serving_plan_rounds_of_both_row_sizes():
     assert plan[-1][:2] == (0, 24)
     # one round each (the default): the two sizes once, unnumbered, as before
     assert b.serving_plan(b.ServingConfig([(24, 8), (64, 32)])) == [(0, 24, 8, False, 0), (24, 64, 32, False, 0)]
+    # --serving-interleave: the plan split by round (round 1 keeps the repeated run: same server), same cases
+    cfg = b.ServingConfig([(24, 8), (64, 32)], rounds=3, large_rounds=2, repeat=True, interleave=True)
+    assert b.serving_round_count(cfg) == 3
+    by_round = [b.serving_plan(cfg, k) for k in (1, 2, 3)]
+    assert sorted(x for r in by_round for x in r) == sorted(plan)
+    assert by_round[0] == [plan[0], plan[1], plan[-1]] and by_round[2] == [plan[4]]
+    assert b.serving_order(["fst", "xgrammar", "guidance"], 1) == ["fst", "xgrammar", "guidance"]
+    assert b.serving_order(["fst", "xgrammar", "guidance"], 2) == ["guidance", "xgrammar", "fst"]
 
 
 def test_serving_request_body():
@@ -366,9 +374,13 @@ def test_engine_load_stats_from_a_server_log(tmp_path):
         "canonical=True) compiled in 40.0 ms\n"  # a compile, not a load: not counted
         "(EngineCore pid=1) INFO [backend.py:219] fst: request r3: regex constraint (8 regex chars, 3 states, "
         "canonical=True) compiled in 0.5 ms (cache hit)\n")
-    got = b.engine_load_stats(log)
+    got = b.engine_load_stats([log])
     assert got["n"] == 2 and got["max"] == 2.5 and got["p50"] == 1.5
-    assert b.engine_load_stats(tmp_path / "missing.log") is None
+    other = tmp_path / "server_fst_round2.log"  # (--serving-interleave: one log per round, pooled)
+    other.write_text("(EngineCore pid=2) INFO [backend.py:219] fst: request r9: regex constraint (8 regex chars, "
+                     "3 states, canonical=True) compiled in 9.0 ms (cache hit)\n")
+    assert b.engine_load_stats([log, other])["n"] == 3 and b.engine_load_stats([log, other])["max"] == 9.0
+    assert b.engine_load_stats([tmp_path / "missing.log"]) is None
 
 
 def test_serving_repeated_rows_are_shown_but_not_targeted(tmp_path):

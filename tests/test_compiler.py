@@ -1389,10 +1389,26 @@ def test_loaded_schema_automaton_builds_its_tables_on_first_use_with_the_same_ro
                 break
             t = int(rng.choice(ids))
             assert m.accept_tokens("r", [t]) and ref.accept_tokens("r", [t])
+    # the rows read the bad tables' σ = ALL rows and σ bits straight from the stored entries: the walks
+    # did not expand them (but for byte-fallback characters, whose verdicts read the tables); the same
+    # values as from the expanded tables
+    if an.H.acc is None:
+        assert "_tag_compact" in an.__dict__ and "bad" not in an.__dict__
+    reloaded = persist.loads(persist.dumps(c), arts).factored.an
+    tab_compact = reloaded._tag_table().copy()
+    bits_compact = {tag: reloaded.tag_sigma_bits(tag) for tag in reloaded._tag_compact}
+    assert "_tag_compact" in reloaded.__dict__ and "bad" not in reloaded.__dict__
+    assert tab_compact.shape[0] == len(fc.an._tag_full) + 1 and tab_compact[1:].any()
+    # (σ != ALL bits: set exactly where the compiled tables have bad entries)
+    assert any((b >> 1).any() for b in bits_compact.values()) == any(t[1:].any() for t in fc.an._tag_full.values())
     assert len(an.bad) == len(fc.an.bad) and all(
         (a is None and b is None) or np.array_equal(a, b) for a, b in zip(an.bad, fc.an.bad))
     assert an._tag_full.keys() == fc.an._tag_full.keys()
     assert np.array_equal(an.g_toks, fc.an.g_toks) and np.array_equal(an.g_ptr, fc.an.g_ptr)
+    an._tab = None
+    assert np.array_equal(an._tag_table(), tab_compact) and np.array_equal(fc.an._tag_table(), tab_compact)
+    for tag, bits in bits_compact.items():
+        assert np.array_equal(an.tag_sigma_bits(tag), bits) and np.array_equal(fc.an.tag_sigma_bits(tag), bits)
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)

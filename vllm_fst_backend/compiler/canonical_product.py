@@ -704,10 +704,36 @@ class _Analysis:
             self._tab_index()
 
     def _tab_index(self) -> None:
-        """Rebuild ``_tab`` alone (what a loaded automaton's base rows read)."""
-        self._tab = np.zeros((max(self._tag_full, default=0) + 64, self.H.C), dtype=bool)
-        for tag, tab in self._tag_full.items():
-            self._tab[tag] = tab[0]
+        """Rebuild ``_tab`` alone (what a loaded automaton's base rows read): for a loaded analysis whose bad
+        tables are not expanded yet, straight from their stored bad entries (the σ = ALL row's are the
+        flat indices below C), without expanding every table (the engine loads an automaton per request
+        and builds a first row at once: the expansion was most of that row's cost)."""
+        compact = self.__dict__.get("_tag_compact")
+        if compact is None:
+            self._tab = np.zeros((max(self._tag_full, default=0) + 64, self.H.C), dtype=bool)
+            for tag, tab in self._tag_full.items():
+                self._tab[tag] = tab[0]
+            return
+        self._tab = np.zeros((max(compact, default=0) + 64, self.H.C), dtype=bool)
+        for tag, (shape, idx) in compact.items():
+            self._tab[tag, idx[: np.searchsorted(idx, shape[1])]] = True
+
+    def _n_tags(self) -> int:
+        """The number of distinct bad tables (tags ``1..n``), without expanding a loaded analysis' tables."""
+        compact = self.__dict__.get("_tag_compact")
+        return len(compact) if compact is not None else len(self._tag_full)
+
+    def tag_sigma_bits(self, tag: int) -> np.ndarray:
+        """``int64[C]``: for the bad table with this tag, bit σ set per class when (class, σ) is bad (from
+        the stored bad entries when the analysis was loaded and its tables are not expanded)."""
+        compact = self.__dict__.get("_tag_compact")
+        if compact is None:
+            b = self._tag_full[tag]
+            return (b.astype(np.int64) << np.arange(b.shape[0], dtype=np.int64)[:, None]).sum(axis=0)
+        (_, C), idx = compact[tag]
+        out = np.zeros(C, dtype=np.int64)
+        np.bitwise_or.at(out, idx % C, np.int64(1) << (idx // C).astype(np.int64))
+        return out
 
     # --- helpers ---------------------------------------------------------------------------------------
 
@@ -1219,7 +1245,7 @@ class _Analysis:
         all good). Grown by doubling as tags appear."""
         if self._tab is None:
             self._tab_index()
-        return self._tab[: len(self._tag_full) + 1]
+        return self._tab[: self._n_tags() + 1]
 
     def specials_of(self, s: int):
         """Special tokens allowed at s: arrays (token, target)."""
@@ -1809,7 +1835,7 @@ class FactoredCanonical:
             tags = an.tag[tgts]
             for tg in np.unique(tags[tags != 0]).tolist():
                 sel = tags == tg
-                badmask[sel] = self._tag_sigma_mask(tg, int(tgts[sel][0]))[cv[sel]]
+                badmask[sel] = self._tag_sigma_mask(tg)[cv[sel]]
             badmask[H.ctx_j[toks] >= 0] = -1  # class depends on k: checked per call
             badmask[(H.tok_bf_byte[toks] >= 0) & (an.bf_start[toks] >= 0)] = -1  # inner: inner_good per call
             got = self._spec[s] = (toks, tgts, badmask)
@@ -2018,7 +2044,7 @@ class FactoredCanonical:
         spec = st[idx]  # (a copy)
         tgts = ts[pos[idx]].astype(np.int64)
         spec[:, kernels.SP_TGT] = tgts
-        trow = self._tag_rows(an.tag[tgts], tgts)
+        trow = self._tag_rows(an.tag[tgts])
         tag_bits = self._tag_bits
         kind = spec[:, kernels.SP_KIND]
         plain = kind == kernels.KIND_PLAIN
@@ -2087,8 +2113,8 @@ class FactoredCanonical:
         self._spec_static = st
         return st
 
-    def _tag_rows(self, tags: np.ndarray, tgts: np.ndarray) -> np.ndarray:
-        """``int64[n]``: rows of ``_tag_bits`` for the bad-table tags ``tags`` of regex states ``tgts``; new
+    def _tag_rows(self, tags: np.ndarray) -> np.ndarray:
+        """``int64[n]``: rows of ``_tag_bits`` for the bad-table tags ``tags`` (of some regex states); new
         tags get a row (:meth:`_tag_sigma_mask`: bit σ set per class when (class, σ) is bad). The caller
         publishes the grown table with its next ``_fspec`` snapshot."""
         tra = self._tag_row_arr
@@ -2097,7 +2123,7 @@ class FactoredCanonical:
             with self._lock:
                 new = [tg for tg in np.unique(missing).tolist() if tra[tg] < 0]
                 if new:
-                    rows = [self._tag_sigma_mask(tg, int(tgts[np.flatnonzero(tags == tg)[0]])) for tg in new]
+                    rows = [self._tag_sigma_mask(tg) for tg in new]
                     n0 = len(self._tag_bits)
                     self._tag_buf = _append_rows(self._tag_buf, n0, np.stack(rows))
                     self._tag_bits = self._tag_buf[: n0 + len(rows)]
@@ -2143,14 +2169,12 @@ class FactoredCanonical:
                 row[v >> 5] |= np.int32(np.uint32(1 << (v & 31)).view(np.int32))
         return row
 
-    def _tag_sigma_mask(self, tag: int, t: int) -> np.ndarray:
-        """``int64[C]``: for the bad table with this tag (that of regex state t), bit σ set per class
-        when (class, σ) is bad. Cached per tag."""
+    def _tag_sigma_mask(self, tag: int) -> np.ndarray:
+        """``int64[C]``: for the bad table with this tag, bit σ set per class when (class, σ) is bad
+        (:meth:`_Analysis.tag_sigma_bits`). Cached per tag."""
         got = self._tagmask.get(tag)
         if got is None:
-            b = self.an.bad[t]
-            got = (b.astype(np.int64) << np.arange(b.shape[0], dtype=np.int64)[:, None]).sum(axis=0)
-            self._tagmask[tag] = got
+            got = self._tagmask[tag] = self.an.tag_sigma_bits(tag)
         return got
 
     def _specials_ok(self, k: int, sig: int, toks: np.ndarray, tgts: np.ndarray, badmask: np.ndarray) -> np.ndarray:
