@@ -1373,8 +1373,14 @@ def test_loaded_schema_automaton_builds_its_tables_on_first_use_with_the_same_ro
         "required": ["name", "kind"], "additionalProperties": False}
     c = compile_regex(json_schema_to_regex(schema), arts, CompileOptions())
     fc = c.factored
-    assert fc is not None and fc._eager_tables is None and any(t is not None for t in fc.an.bad)
+    assert fc is not None and any(t is not None for t in fc.an.bad)
+    # too many signatures for build_tables: only the start state's table and base row are built at compile
+    # and kept (build_start_table); the others on first visit
+    key0 = int(fc._key_of_s[0])
+    assert fc._eager_tables is not None and np.flatnonzero(fc._eager_tables[1] >= 0).tolist() == [key0]
+    assert (fc._eager_base[1] >= 0).sum() == 1 and fc._eager_base[1][fc.base_index[0]] >= 0
     loaded = persist.loads(persist.dumps(c), arts)
+    assert np.flatnonzero(loaded.factored._fspec[1] >= 0).tolist() == [key0]
     an = loaded.factored.an
     assert "_tag_compact" in an.__dict__ and "bad" not in an.__dict__ and "g_toks" not in an.__dict__
     rng = np.random.default_rng(5)
@@ -1430,7 +1436,9 @@ def test_eager_base_rows_equal_lazy_and_survive_pickling(fst_artifacts, monkeypa
     monkeypatch.setattr(cp.FactoredCanonical, "EAGER_BASE_SIGNATURES", 0)
     lazy = compile_regex(regex, arts, CompileOptions())
     fl = lazy.factored
-    assert fl._eager_base is None and (fl._base_of_sig < 0).all() and (fl._fspec[1] < 0).all()
+    # (past the threshold: the start state's table and base row only, build_start_table)
+    key0, sig0 = int(fl._key_of_s[0]), int(fl.base_index[0])
+    assert np.flatnonzero(fl._base_of_sig >= 0).tolist() == [sig0] and np.flatnonzero(fl._fspec[1] >= 0).tolist() == [key0]
     loaded = persist.loads(persist.dumps(eager), arts).factored
     assert (loaded._base_of_sig >= 0).all() and (loaded._fspec[1] >= 0).all()
     built = []

@@ -1742,8 +1742,8 @@ class FactoredCanonical:
                           else np.arange(M.num_states, dtype=np.int64))
         self._spec_static = None  # per special token of the analysis: the state-independent columns
         self._edges_py = None  # Python lists of M's CSR for next_state (built on first use)
-        self._eager_base = None  # (rows int32[n, W], row per signature int64[n_sig]): build_tables
-        self._eager_tables = None  # the special-token tables and their tag rows (build_tables)
+        self._eager_base = None  # (rows int32[n, W], row per signature int64[n_sig]): build_tables, build_start_table
+        self._eager_tables = None  # the special-token tables built at compile and their tag rows (the same)
         self.reset_caches()
 
     def reset_caches(self) -> None:
@@ -2016,10 +2016,27 @@ class FactoredCanonical:
                 self._base_of_sig[[sig for sig, _ in todo]] = n0 + np.arange(len(todo))
                 snap = self._fspec
                 self._fspec = snap[:5] + (self._base_buf[: n0 + len(todo)].view(np.uint32), snap[6])
+        self._keep_built()
+
+    def build_start_table(self) -> None:
+        """For automata :meth:`build_tables` leaves to first visits: build now, and keep with the automaton,
+        the start state's special-token table and base row only. Every request's first row reads them: in a
+        server the engine would build them on the request's first step, on the engine core's own critical
+        path, where the compile process builds them off it. Not kept when over :attr:`EAGER_TABLE_BYTES`."""
+        self._fast_specials(0)
+        if self._fspec[0].nbytes + self._tag_bits.nbytes > self.EAGER_TABLE_BYTES:
+            self.reset_caches()
+            return
+        self._keep_built()
+
+    def _keep_built(self) -> None:
+        """Keep the base rows and special-token tables built so far with the automaton (``_eager_base``,
+        ``_eager_tables``: pickled, restored by :meth:`reset_caches`; the others are built on first visit)."""
+        with self._lock:
             n = len(self._fspec[5])
-            self._eager_base = (np.array(self._base_buf[:n]), self._base_of_sig.copy())
+            self._eager_base = (np.array(self._base_buf[:n]), self._base_of_sig.copy()) if n else None
             spec, lo, hi, icache, tag_bits, _, slot = self._fspec
-            built = bool((lo >= 0).all())
+            built = bool((lo >= 0).any())
             self._eager_tables = ((np.array(spec), lo.copy(), hi.copy(), icache.copy(), np.array(tag_bits),
                                    slot.copy(), self._tag_row_arr.copy(), self._has_inner) if built else None)
 
@@ -2559,10 +2576,12 @@ def canonical_automaton(M: TokenDFA, artifacts, trie, eos_ids, V: int, *, deadli
         return exp
     st["ms_explicit"] = 1e3 * (time.perf_counter() - t2)  # the attempt that found the product too large
     fc.reset_caches()  # (the attempt's rows and special tables: rebuilt on demand where a decode goes)
+    t3 = time.perf_counter()
     if int(base_index.max(initial=-1)) + 1 <= fc.EAGER_BASE_SIGNATURES:
-        t3 = time.perf_counter()
         fc.build_tables()
-        st["ms_rows"] += 1e3 * (time.perf_counter() - t3)
+    else:
+        fc.build_start_table()
+    st["ms_rows"] += 1e3 * (time.perf_counter() - t3)
     st["mode"] = "factored"
     S = M.num_states
     return CompiledAutomaton(
