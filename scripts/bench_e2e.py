@@ -1420,7 +1420,7 @@ def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict
             if cn is False:
                 ex["token_ids"] = list(r["token_ids"])
             bad.append(ex)
-    return {
+    row = {
         "backend": backend,
         "workload": "serving",
         "requests": len(results),
@@ -1458,6 +1458,20 @@ def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict
                          "tokens": r.get("completion_tokens"), "finish": r.get("finish")}
                         for c, r in zip(cases, results)],
     }
+    row["tpot_p50_ms"] = _tpot_p50(row)
+    return row
+
+
+def _tpot_p50(r: dict) -> float | None:
+    """Time per output token of a serving row, ms: the p50 over its requests with at least two tokens of
+    (latency - TTFT) / (tokens - 1), from its ``per_request`` records. Unlike tokens/s over the batch's wall
+    time, it does not depend on how many tokens the outputs have (a backend whose outputs end earlier, or
+    spell a text in fewer tokens, produces fewer tokens in the same wall time)."""
+    if r.get("tpot_p50_ms") is not None:
+        return r["tpot_p50_ms"]
+    vals = [(p["latency_ms"] - p["ttft_ms"]) / (p["tokens"] - 1) for p in r.get("per_request") or []
+            if p.get("ok") and p.get("latency_ms") is not None and p.get("ttft_ms") is not None and (p.get("tokens") or 0) > 1]
+    return _pct(vals, 50) if vals else None
 
 
 def _size_key(r: dict) -> tuple:
@@ -1482,6 +1496,8 @@ def _merge_rounds(rs: list[dict]) -> dict:
     for k in ("ttft_p50_ms", "ttft_p90_ms", "tok_s", "chars_s", "wall_s"):
         vals = [r[k] for r in rs if r.get(k) is not None]
         out[k] = _pct(vals, 50) if vals else None
+    tp = [v for v in map(_tpot_p50, rs) if v is not None]
+    out["tpot_p50_ms"] = _pct(tp, 50) if tp else None
     hs = [r["health_max_ms"] for r in rs if r.get("health_max_ms") is not None]
     out["health_max_ms"] = max(hs) if hs else None
     out["health_errors"] = sum(r.get("health_errors", 0) for r in rs)
@@ -1497,7 +1513,7 @@ def _merge_rounds(rs: list[dict]) -> dict:
 
 def render_serving_table(rows: list[dict]) -> str:
     head = (
-        "| backend | requests × concurrency | ok / failed | TTFT p50 / p90 ms | latency p50 / p90 ms | completion tokens/s "
+        "| backend | requests × concurrency | ok / failed | TTFT p50 / p90 ms | latency p50 / p90 ms | time per output token p50 ms | completion tokens/s "
         "| completion characters/s | batch wall s | mean completion tokens | hit max_tokens | worst /health ms | constraint satisfied | canonical outputs |"
     )
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
@@ -1508,6 +1524,7 @@ def render_serving_table(rows: list[dict]) -> str:
             f"{r['ok']} / {r['failed']}",
             f"{_fmt(r.get('ttft_p50_ms'), 'd')} / {_fmt(r.get('ttft_p90_ms'), 'd')}",
             f"{_fmt(r.get('lat_p50_ms'), 'd')} / {_fmt(r.get('lat_p90_ms'), 'd')}",
+            _fmt(_tpot_p50(r), "f", 1),
             _fmt(r.get("tok_s"), "f", 1),
             _fmt(r.get("chars_s"), "d"),
             _fmt(r.get("wall_s"), "f", 2),
@@ -1554,6 +1571,10 @@ def serving_targets(rows: list[dict]) -> list[str]:
                 out.append(f"- {tag}: tokens/s ≥ 1.0× xgrammar: {ratio:.2f}× ({f['tok_s']:.1f} vs {x['tok_s']:.1f}{ctx}) — {mark(ratio >= 1.0)}.")
             else:
                 out.append(f"- {tag}: tokens/s ≥ 1.0× xgrammar: not measured — NOT met.")
+            tf, tx = _tpot_p50(f), (_tpot_p50(x) if x else None)
+            if tf is not None and tx:
+                out.append(f"- {tag}: (context, not a target) time per output token p50: {tf:.1f} vs {tx:.1f} ms "
+                           f"({tf / tx:.2f}× xgrammar's).")
             h, he = f.get("health_max_ms"), f.get("health_errors", 0)
             extra = f", {he} failed polls" if he else ""
             if x and x.get("health_max_ms") is not None:

@@ -294,6 +294,9 @@ def test_serving_summary_row():
     assert f["valid"] == 1.0 and f["canonical"] == 1.0 and f["canonical_n"] == 4
     assert f["ttft_p50_ms"] == pytest.approx(250.0) and f["ttft_p90_ms"] == pytest.approx(370.0)  # linear interpolation
     assert f["lat_p50_ms"] == pytest.approx(800.0)
+    # time per output token: (latency - TTFT) / (tokens - 1) per request (26.5, 66.7, 66.7, 100 ms), p50
+    assert f["tpot_p50_ms"] == pytest.approx(200 / 3)
+    assert b._tpot_p50({k: v for k, v in f.items() if k != "tpot_p50_ms"}) == pytest.approx(200 / 3)  # (older JSON)
     assert f["health_max_ms"] == pytest.approx(30.0) and f["health_polls"] == 3
     tokens = sum(len(r) for r in ('{"city": "Oslo", "unit": "celsius"}', '{"city": "Rome"}', "2026", "ABC"))
     assert f["completion_tokens"] == tokens and f["tok_s"] == pytest.approx(tokens / 2.0)
@@ -338,7 +341,8 @@ def test_serving_report_and_section(tmp_path):
     assert any("; characters/s " in t and "tokens/s ≥" in t for t in tgt)
     assert any("worst /health ≤ 50 ms: 30.0 ms (xgrammar 1.0 ms) — met." in t for t in tgt)
     assert any("100 % valid and canonical: valid 100.0 %, canonical 100.0 % (4 of 4 outputs with ids), 0 failed — met." in t for t in tgt)
-    assert sum("fst @ 64 × 32" in t for t in tgt) == 5
+    assert sum("fst @ 64 × 32" in t for t in tgt) == 6  # (5 targets, the time per output token as context)
+    assert any("(context, not a target) time per output token p50: 66.7 vs 66.7 ms (1.00× xgrammar's)." in t for t in tgt)
 
     out_md = tmp_path / "benchmarks.md"
     out_md.write_text("# Benchmarks\n\n## Some other section\n\nkept\n\n## Serving workload\n\nold numbers\n\n## Later section\n\nalso kept\n")
