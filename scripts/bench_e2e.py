@@ -1575,6 +1575,9 @@ def serving_targets(rows: list[dict]) -> list[str]:
             if tf is not None and tx:
                 out.append(f"- {tag}: (context, not a target) time per output token p50: {tf:.1f} vs {tx:.1f} ms "
                            f"({tf / tx:.2f}× xgrammar's).")
+            if x and f.get("wall_s") and x.get("wall_s"):
+                out.append(f"- {tag}: (context, not a target) batch wall time, the same requests to their end: "
+                           f"{f['wall_s']:.2f} vs {x['wall_s']:.2f} s ({f['wall_s'] / x['wall_s']:.2f}× xgrammar's).")
             h, he = f.get("health_max_ms"), f.get("health_errors", 0)
             extra = f", {he} failed polls" if he else ""
             if x and x.get("health_max_ms") is not None:

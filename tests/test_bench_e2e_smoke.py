@@ -341,7 +341,8 @@ def test_serving_report_and_section(tmp_path):
     assert any("; characters/s " in t and "tokens/s ≥" in t for t in tgt)
     assert any("worst /health ≤ 50 ms: 30.0 ms (xgrammar 1.0 ms) — met." in t for t in tgt)
     assert any("100 % valid and canonical: valid 100.0 %, canonical 100.0 % (4 of 4 outputs with ids), 0 failed — met." in t for t in tgt)
-    assert sum("fst @ 64 × 32" in t for t in tgt) == 6  # (5 targets, the time per output token as context)
+    assert sum("fst @ 64 × 32" in t for t in tgt) == 7  # (5 targets; time per output token and batch wall: context)
+    assert any("(context, not a target) batch wall time, the same requests to their end: 2.00 vs 2.00 s (1.00×" in t for t in tgt)
     assert any("(context, not a target) time per output token p50: 66.7 vs 66.7 ms (1.00× xgrammar's)." in t for t in tgt)
 
     out_md = tmp_path / "benchmarks.md"
