@@ -30,10 +30,13 @@ model call (accepted drafts / generated tokens, from ``/metrics``).
 own constraint, as tool calling does: ``--serving-requests`` (24) streamed chat completions at
 ``--serving-concurrency`` (8), then a second row of 64 at 32 (``--no-serving-large`` skips it), each with a
 distinct tool-calling style JSON schema or regex from a fixed-seed generator (``make_serving_cases``),
-temperature 0.7, no seed, max_tokens 96. Per backend and row: TTFT and latency p50/p90, completion tokens/s
-of the whole batch, the worst ``GET /health`` time while it ran, constraint-satisfied and canonical rates,
-failed requests; written as the section "Serving workload" with ``bench_serving.png``. With
-``--workloads serving`` alone the backends default to fst, fst-jump, xgrammar, guidance, outlines.
+temperature 0.7, no seed, max_tokens 96. Per backend and row: TTFT and latency p50/p90, the time per
+output token p50, completion tokens/s of the whole batch, the worst ``GET /health`` time while it ran,
+constraint-satisfied and canonical rates, failed requests; written as the section "Serving workload" with
+``bench_serving.png``. With ``--workloads serving`` alone the backends default to fst, fst-jump, xgrammar,
+guidance, outlines. ``--serving-rounds`` / ``--serving-large-rounds`` run each row size again with new
+constraints (the targets take the medians); ``--serving-interleave`` runs each round on fresh servers with
+the backends' order reversed every other round (on a small host the server that runs first is slower).
 
 Run ``python scripts/bench_e2e.py`` (all backends, ~20-25 min on 2 cores) or a subset:
 ``--backends xgrammar,fst --workloads mc --questions 5 --samples 10``. ``--out-md`` writes elsewhere
