@@ -948,7 +948,22 @@ def _check_setup_kernels(an):
     assert np.array_equal(an._witness_table(), ref)
     assert (ref >= 0).any()
     ptr, cls = kernels.group_classes(an.g_toks, an.g_ptr, an.tclass_safe.astype(np.int64), H.ctx_j, H.ctx_cls_ptr,
-                                     H.ctx_cls, H.C)
+                                     H.ctx_cls, H.C, np.ones(an.G, dtype=bool))
+    # a group left out by ``need`` gets an empty list, the others the same ones
+    need = np.arange(an.G) % 2 == 0
+    p2, c2 = kernels.group_classes(an.g_toks, an.g_ptr, an.tclass_safe.astype(np.int64), H.ctx_j, H.ctx_cls_ptr,
+                                   H.ctx_cls, H.C, need)
+    for g in range(an.G):
+        assert np.array_equal(c2[p2[g] : p2[g + 1]], cls[ptr[g] : ptr[g + 1]] if need[g] else cls[:0]), g
+    # the verdict cache's group hashes (kernels.group_hash_sums): the wrapping sums of the tokens' values
+    from vllm_fst_backend.compiler.verdict_cache import verdict_cache
+
+    vc = verdict_cache(H)
+    gh = vc.group_hashes(an.g_toks, an.g_ptr)
+    with np.errstate(over="ignore"):
+        want_h = np.stack([[vc.tok_hash[i, an.g_toks[an.g_ptr[g] : an.g_ptr[g + 1]]].sum(dtype=np.uint64)
+                            for g in range(an.G)] for i in (0, 1)])
+    assert gh.dtype == np.uint64 and np.array_equal(gh, want_h)
     for g in range(0, an.G, max(1, an.G // 50)):
         tk = an.g_toks[an.g_ptr[g] : an.g_ptr[g + 1]]
         want = [an.tclass_safe[tk].astype(np.int64)]

@@ -1301,12 +1301,15 @@ class _Analysis:
         S, C = M.num_states, H.C
         # the classes of each group's tokens (context-dependent tokens: every class they can reach;
         # negative ones index like numpy's), as a CSR over groups
-        gc_ptr, g_cls = _kernels().group_classes(self.g_toks, self.g_ptr, self.tclass_safe.astype(np.int64), H.ctx_j,
-                                                 H.ctx_cls_ptr, H.ctx_cls, C)
-        # per state: the union over the edges into it
+        # (only those of groups on an edge into a state entered by few tokens: the others are never read)
         en = M.edge_next.astype(np.int64)
         n_in = np.bincount(en, weights=self.g_size[M.edge_group], minlength=S)
         wide = n_in > self._ENTERING_MAX_TOKENS
+        need = np.zeros(max(self.G, 1), dtype=bool)
+        need[M.edge_group[~wide[en]]] = True
+        gc_ptr, g_cls = _kernels().group_classes(self.g_toks, self.g_ptr, self.tclass_safe.astype(np.int64), H.ctx_j,
+                                                 H.ctx_cls_ptr, H.ctx_cls, C, need)
+        # per state: the union over the edges into it
         n_cls = gc_ptr[M.edge_group + 1] - gc_ptr[M.edge_group]  # (edge, class) pairs of each edge
         pairs = np.bincount(en, weights=n_cls, minlength=S) * ~wide
         if pairs.sum() > self._ENTERING_MAX_PAIRS:  # bounded work: the narrowest states first

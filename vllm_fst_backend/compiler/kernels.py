@@ -44,7 +44,7 @@ import numpy as np
 
 __all__ = [
     "byte_classes", "byte_classes_exact", "first_keys", "char_arc_keys", "expand_gadgets", "vector_fst_arcs", "class_trie", "walk_class_trie", "prefix_paths", "pure_nodes", "chain_info", "chain_sums", "prune_trie", "unique_states", "finish",
-    "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "witness_verdict", "spec_table", "group_tokens", "group_rows", "group_classes", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
+    "canon_row", "canon_step", "sccs", "signatures", "content_key", "memo_put", "memo_run", "witness_verdict", "spec_table", "group_tokens", "group_rows", "group_classes", "group_hash_sums", "entering_classes", "witness_table", "witness_clear", "allows_some", "grouped_allows_some", "pairs_clear", "warm_up",
 ]
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -1211,25 +1211,31 @@ def group_rows(row_ptr, row_groups, g_toks, g_ptr, out_u32):
 
 
 @_jit
-def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_cls_ptr, ctx_cls, C):
+def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_cls_ptr, ctx_cls, C, need):
     """The classes of each group's tokens (:meth:`.canonical_product._Analysis._entering_table`), as a
     CSR ``(ptr int64[G+1], classes int64[n])``, each class once per group (in first-seen order): the
     class ``tclass[v]`` of each token and, for a context-dependent token (``ctx_j[v] >= 0``), every
-    class it can reach (``ctx_cls[ctx_cls_ptr[j]:ctx_cls_ptr[j+1]]``, j = ``ctx_j[v]``). The output is
-    sized once by a first pass (no growth). Entries are appended inline, here and in
-    :func:`entering_classes`: a shared helper, even with ``inline="always"``, made the kernel several times
-    slower."""
+    class it can reach (``ctx_cls[ctx_cls_ptr[j]:ctx_cls_ptr[j+1]]``, j = ``ctx_j[v]``); an empty list for
+    a group with ``need[g]`` False (``bool[G]``: the caller never reads it). The output is sized once by a
+    first pass (no growth). Entries are appended inline, here and in :func:`entering_classes`: a shared
+    helper, even with ``inline="always"``, made the kernel several times slower."""
     G = g_ptr.shape[0] - 1
-    bound = g_toks.shape[0]
-    for x in range(g_toks.shape[0]):
-        j = ctx_j[g_toks[x]]
-        if j >= 0:
-            bound += ctx_cls_ptr[j + 1] - ctx_cls_ptr[j]
+    bound = 0
+    for g in range(G):
+        if need[g]:
+            bound += g_ptr[g + 1] - g_ptr[g]
+            for x in range(g_ptr[g], g_ptr[g + 1]):
+                j = ctx_j[g_toks[x]]
+                if j >= 0:
+                    bound += ctx_cls_ptr[j + 1] - ctx_cls_ptr[j]
     stamp = np.full(C, -1, np.int64)
     out = np.empty(bound, np.int64)
     ptr = np.zeros(G + 1, np.int64)
     m = 0
     for g in range(G):
+        if not need[g]:
+            ptr[g + 1] = m
+            continue
         for x in range(g_ptr[g], g_ptr[g + 1]):
             v = g_toks[x]
             c = np.int64(tclass[v])
@@ -1247,6 +1253,25 @@ def group_classes(g_toks, g_ptr, tclass, ctx_j, ctx_cls_ptr, ctx_cls, C):
                         m += 1
         ptr[g + 1] = m
     return ptr, out[:m].copy()
+
+
+@_jit
+def group_hash_sums(g_toks, g_ptr, tok_hash):
+    """``uint64[2, G]``: per group (tokens ``g_toks[g_ptr[g]:g_ptr[g+1]]``) the sums of its tokens' two
+    random values ``tok_hash[:, v]`` (``uint64[2, V]``), wrapping (:meth:`.verdict_cache.VerdictCache.
+    group_hashes`; one pass, no gathered copy of the values)."""
+    G = g_ptr.shape[0] - 1
+    out = np.zeros((2, G), np.uint64)
+    for g in range(G):
+        a = np.uint64(0)
+        b = np.uint64(0)
+        for x in range(g_ptr[g], g_ptr[g + 1]):
+            v = g_toks[x]
+            a += tok_hash[0, v]
+            b += tok_hash[1, v]
+        out[0, g] = a
+        out[1, g] = b
+    return out
 
 
 @_jit
@@ -1899,7 +1924,9 @@ def warm_up() -> None:
         witness_clear(np.zeros((1, 1), np.int32), np.full((1, 1), -1, np.int32), i64[:1], np.zeros((1, 1), np.bool_),
                       i32, i64[:1], i32, 12, i64[:1].copy(), i64[:1].copy())
         group_classes(np.zeros(1, np.int64), np.array([0, 1], np.int64), i64, np.full(2, -1, np.int64), i64[:1],
-                      i64[:0], 1)
+                      i64[:0], 1, np.ones(1, np.bool_))
+        group_hash_sums(np.zeros(1, np.int64), np.array([0, 1], np.int64), np.zeros((2, 1), np.uint64))
+        group_hash_sums(np.zeros(1, np.int32), np.array([0, 1], np.int64), np.zeros((2, 1), np.uint64))
         witness_table(np.zeros(2, np.bool_), i32, i64, i32, np.full((1, 1), -1, np.int32))
         spec_table(i32[:1], i32[:1], i32[:1], np.zeros((1, 7), np.int64), i64[:1], i64[:1], np.zeros((1, 1), np.int64),
                    i32[:1], np.zeros((1, 7), np.int64))

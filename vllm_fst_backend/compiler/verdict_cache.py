@@ -82,14 +82,11 @@ class VerdictCache:
         """``uint64[2, G]``: per token group (tokens ``g_toks[g_ptr[g]:g_ptr[g+1]]``) the sums of its
         tokens' values (wrapping)."""
         G = len(g_ptr) - 1
-        out = np.zeros((2, max(G, 0)), dtype=np.uint64)
         if G <= 0 or not len(g_toks):
-            return out
-        size = np.diff(g_ptr)
-        nz = np.flatnonzero(size)
-        vals = self.tok_hash[:, np.asarray(g_toks, dtype=np.int64)]
-        out[:, nz] = np.add.reduceat(vals, np.asarray(g_ptr[:-1], dtype=np.int64)[nz], axis=1)
-        return out
+            return np.zeros((2, max(G, 0)), dtype=np.uint64)
+        from . import kernels
+
+        return kernels.group_hash_sums(g_toks, np.asarray(g_ptr, dtype=np.int64), self.tok_hash)
 
     # --- lookups -------------------------------------------------------------------------------------
 
