@@ -36,7 +36,7 @@ constraint-satisfied and canonical rates, failed requests; written as the sectio
 ``bench_serving.png``. With ``--workloads serving`` alone the backends default to fst, fst-jump, xgrammar,
 guidance, outlines. ``--serving-rounds`` / ``--serving-large-rounds`` run each row size again with new
 constraints (the targets take the medians); ``--serving-interleave`` runs each round on fresh servers with
-the backends' order reversed every other round (on a small host the server that runs first is slower).
+the backends' order reversed every other round (on the 2-core host the server that ran first was the slower one).
 
 Run ``python scripts/bench_e2e.py`` (all backends, ~20-25 min on 2 cores) or a subset:
 ``--backends xgrammar,fst --workloads mc --questions 5 --samples 10``. ``--out-md`` writes elsewhere
