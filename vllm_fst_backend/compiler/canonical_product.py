@@ -2006,7 +2006,7 @@ class FactoredCanonical:
         if n_keys <= self.EAGER_TABLE_KEYS:
             for s in np.unique(self._key_of_s, return_index=True)[1].tolist():
                 self._fast_specials(int(s))
-                if self._fspec[0].nbytes + self._tag_bits.nbytes > self.EAGER_TABLE_BYTES:
+                if self._tables_too_large():
                     self.reset_caches()  # too large to store: built on first visit instead
                     break
         first = np.unique(self.base_index, return_index=True)[1]
@@ -2027,10 +2027,15 @@ class FactoredCanonical:
         server the engine would build them on the request's first step, on the engine core's own critical
         path, where the compile process builds them off it. Not kept when over :attr:`EAGER_TABLE_BYTES`."""
         self._fast_specials(0)
-        if self._fspec[0].nbytes + self._tag_bits.nbytes > self.EAGER_TABLE_BYTES:
+        if self._tables_too_large():
             self.reset_caches()
             return
         self._keep_built()
+
+    def _tables_too_large(self) -> bool:
+        """Whether the special-token tables built so far, with the ``tag_bits`` rows they read, exceed
+        :attr:`EAGER_TABLE_BYTES` (then they are not stored with the automaton)."""
+        return self._fspec[0].nbytes + self._tag_bits.nbytes > self.EAGER_TABLE_BYTES
 
     def _keep_built(self) -> None:
         """Keep the base rows and special-token tables built so far with the automaton (``_eager_base``,

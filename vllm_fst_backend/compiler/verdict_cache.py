@@ -81,9 +81,8 @@ class VerdictCache:
     def group_hashes(self, g_toks: np.ndarray, g_ptr: np.ndarray) -> np.ndarray:
         """``uint64[2, G]``: per token group (tokens ``g_toks[g_ptr[g]:g_ptr[g+1]]``) the sums of its
         tokens' values (wrapping)."""
-        G = len(g_ptr) - 1
-        if G <= 0 or not len(g_toks):
-            return np.zeros((2, max(G, 0)), dtype=np.uint64)
+        if len(g_ptr) <= 1:
+            return np.zeros((2, 0), dtype=np.uint64)
         from . import kernels
 
         return kernels.group_hash_sums(g_toks, np.asarray(g_ptr, dtype=np.int64), self.tok_hash)
