@@ -235,15 +235,16 @@ def heavy_schemas(field: str, n: int, text_len: int = 180) -> list[dict]:
              "required": [f"{field}_{i}", "rank"], "additionalProperties": False} for i in range(n)]
 
 
-def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None,
-                     min_pending: int = 2) -> tuple[float, float, dict]:
+def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None) -> tuple[float, float, dict]:
     """``n`` concurrent requests, each with a new heavy JSON schema (bounded strings: tens of ms of compile
     each, queued in the compile processes) and a long distinct prompt (~330 tokens to prefill), one of them
     through the completions endpoint with n = 2; ``xargs`` go to every request (``vllm_xargs``). Asserts
     that every output is canonical and valid against its schema. Returns the deltas of
     ``vllm_fst_first_samples_in_step_total`` and ``vllm_fst_late_first_samples_total`` and the metrics after
-    (``tag`` makes the schemas new to a server that ran this before). Asserts that at least ``min_pending``
-    requests were prefilled while their constraint still compiled (~330 prompt tokens each)."""
+    (``tag`` makes the schemas new to a server that ran this before). Asserts that at least one request
+    was prefilled while its constraint still compiled (~330 prompt tokens): how many more are depends on
+    the timing of the burst (the API server overlaps only the checks that start soon,
+    ``vllm/pending.CheckQueue``; a check that ends before its request is scheduled leaves nothing pending)."""
     import jsonschema
     import requests
     from concurrent.futures import ThreadPoolExecutor
@@ -280,6 +281,7 @@ def new_schema_burst(server, tag: str, n: int = 6, xargs: dict | None = None,
     after = metrics_after(server, before, n + 1)
     in_step = metric_delta(after, before, "vllm_fst_first_samples_in_step_total")
     late = metric_delta(after, before, "vllm_fst_late_first_samples_total")
-    print(f"\nfirst samples ({tag}): {in_step:.0f} in their step, {late:.0f} dropped (grammar late)")
-    assert metric_delta(after, before, "vllm_fst_pending_prefill_tokens_total") > 300 * min_pending
+    pending = metric_delta(after, before, "vllm_fst_pending_prefill_tokens_total")
+    print(f"\nfirst samples ({tag}): {in_step:.0f} in their step, {late:.0f} dropped (grammar late), {pending:.0f} pending prefill tokens")
+    assert pending > 300
     return in_step, late, {"before": before, "after": after}

@@ -597,7 +597,7 @@ def test_first_samples_in_the_step_with_jumps_on(server):
     schemas with ``fst_jump`` on is valid and canonical, and jumps still happen."""
     # (at least one request of the burst must meet its grammar pending: in one full-suite run on 2 busy
     # CPUs only one of six did, though the compiles queued for 775 ms; the stress module asks for two)
-    in_step, late, m = new_schema_burst(server, "jumps", xargs={"fst_jump": True}, min_pending=1)
+    in_step, late, m = new_schema_burst(server, "jumps", xargs={"fst_jump": True})
     assert in_step + late >= 1  # the first sample in the step, not the early prefill
     assert _delta(m["after"], m["before"], "vllm_fst_jump_draft_tokens_total") > 0
 
