@@ -1462,6 +1462,7 @@ def summarize_serving(backend: str, cases: list[ServingCase], results: list[dict
                         for c, r in zip(cases, results)],
     }
     row["tpot_p50_ms"] = _tpot_p50(row)
+    row["ttft_burst_ms"], row["ttft_later_ms"] = _ttft_phases(row)
     return row
 
 
@@ -1475,6 +1476,20 @@ def _tpot_p50(r: dict) -> float | None:
     vals = [(p["latency_ms"] - p["ttft_ms"]) / (p["tokens"] - 1) for p in r.get("per_request") or []
             if p.get("ok") and p.get("latency_ms") is not None and p.get("ttft_ms") is not None and (p.get("tokens") or 0) > 1]
     return _pct(vals, 50) if vals else None
+
+
+def _ttft_phases(r: dict) -> tuple[float | None, float | None]:
+    """TTFT medians (ms) of a serving row's first ``concurrency`` requests (the burst sent at once, which
+    fills the server) and of the later ones (each sent as one before it ends), from its ``per_request``
+    records (in the order sent); (None, None) without them. A row's TTFT p50 falls between the two when
+    half its requests are the burst (64 × 32): the medians show which of them moves it."""
+    if "ttft_burst_ms" in r:
+        return r["ttft_burst_ms"], r.get("ttft_later_ms")
+    recs = r.get("per_request") or []
+    c = r["concurrency"]
+    burst = [p["ttft_ms"] for p in recs[:c] if p.get("ttft_ms") is not None]
+    later = [p["ttft_ms"] for p in recs[c:] if p.get("ttft_ms") is not None]
+    return (_pct(burst, 50) if burst else None), (_pct(later, 50) if later else None)
 
 
 def _size_key(r: dict) -> tuple:
@@ -1501,6 +1516,9 @@ def _merge_rounds(rs: list[dict]) -> dict:
         out[k] = _pct(vals, 50) if vals else None
     tp = [v for v in map(_tpot_p50, rs) if v is not None]
     out["tpot_p50_ms"] = _pct(tp, 50) if tp else None
+    for i, k in enumerate(("ttft_burst_ms", "ttft_later_ms")):
+        vals = [v[i] for v in map(_ttft_phases, rs) if v[i] is not None]
+        out[k] = _pct(vals, 50) if vals else None
     hs = [r["health_max_ms"] for r in rs if r.get("health_max_ms") is not None]
     out["health_max_ms"] = max(hs) if hs else None
     out["health_errors"] = sum(r.get("health_errors", 0) for r in rs)
@@ -1578,6 +1596,12 @@ def serving_targets(rows: list[dict]) -> list[str]:
             if tf is not None and tx:
                 out.append(f"- {tag}: (context, not a target) time per output token p50: {tf:.1f} vs {tx:.1f} ms "
                            f"({tf / tx:.2f}× xgrammar's).")
+            fb, fl = _ttft_phases(f)
+            xb, xl = _ttft_phases(x) if x else (None, None)
+            if fb is not None and fl is not None and xb and xl:
+                out.append(f"- {tag}: (context, not a target) TTFT median of the burst (the first {size[1]} requests, "
+                           f"sent at once) / of the later requests (each sent as one ends): {fb:.0f} / {fl:.0f} vs "
+                           f"{xb:.0f} / {xl:.0f} ms ({fb / xb:.2f}× / {fl / xl:.2f}× xgrammar's).")
             if x and f.get("wall_s") and x.get("wall_s"):
                 out.append(f"- {tag}: (context, not a target) batch wall time, the same requests to their end: "
                            f"{f['wall_s']:.2f} vs {x['wall_s']:.2f} s ({f['wall_s'] / x['wall_s']:.2f}× xgrammar's).")

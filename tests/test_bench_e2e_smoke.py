@@ -298,6 +298,11 @@ def test_serving_summary_row():
     assert f["tpot_p50_ms"] == pytest.approx(200 / 3)
     assert b._tpot_p50({k: v for k, v in f.items() if k != "tpot_p50_ms"}) == pytest.approx(200 / 3)  # (older JSON)
     assert f["health_max_ms"] == pytest.approx(30.0) and f["health_polls"] == 3
+    # TTFT medians of the burst (the first `concurrency` = 2 requests sent) and of the later ones
+    assert (f["ttft_burst_ms"], f["ttft_later_ms"]) == (pytest.approx(150.0), pytest.approx(350.0))
+    old = {k: v for k, v in f.items() if k not in ("ttft_burst_ms", "ttft_later_ms")}  # (older JSON)
+    assert b._ttft_phases(old) == (pytest.approx(150.0), pytest.approx(350.0))
+    assert x["ttft_later_ms"] == pytest.approx(300.0)  # (the failed request has no TTFT)
     tokens = sum(len(r) for r in ('{"city": "Oslo", "unit": "celsius"}', '{"city": "Rome"}', "2026", "ABC"))
     assert f["completion_tokens"] == tokens and f["tok_s"] == pytest.approx(tokens / 2.0)
     assert f["chars_s"] == pytest.approx(tokens / 2.0)  # one character per token here
@@ -341,7 +346,7 @@ def test_serving_report_and_section(tmp_path):
     assert any("; characters/s " in t and "tokens/s ≥" in t for t in tgt)
     assert any("worst /health ≤ 50 ms: 30.0 ms (xgrammar 1.0 ms) — met." in t for t in tgt)
     assert any("100 % valid and canonical: valid 100.0 %, canonical 100.0 % (4 of 4 outputs with ids), 0 failed — met." in t for t in tgt)
-    assert sum("fst @ 64 × 32" in t for t in tgt) == 7  # (5 targets; time per output token and batch wall: context)
+    assert sum("fst @ 64 × 32" in t for t in tgt) == 8  # (5 targets; time per output token, burst / later TTFT, batch wall: context)
     assert any("(context, not a target) batch wall time, the same requests to their end: 2.00 vs 2.00 s (1.00×" in t for t in tgt)
     assert any("(context, not a target) time per output token p50: 66.7 vs 66.7 ms (1.00× xgrammar's)." in t for t in tgt)
 
@@ -417,6 +422,13 @@ def test_serving_rounds_are_shown_and_targeted_by_their_medians():
     assert any("valid 75.0 %" in t for t in tgt)  # (4 outputs at 100 % and 4 at 50 %)
     merged = b._merge_rounds([dict(f, round=1), f2])
     assert merged["ok"] == 8 and merged["rounds"] == 2 and merged["ttft_p50_ms"] == pytest.approx(200.0)
+    # burst / later TTFT: medians over the rounds (150 and 350 ms in round 1, 50 and 250 in round 2)
+    f3 = dict(f2, ttft_burst_ms=50.0, ttft_later_ms=250.0)
+    assert b._ttft_phases(b._merge_rounds([dict(f, round=1), f3])) == (pytest.approx(100.0), pytest.approx(300.0))
+    phase = [t for t in tgt if "TTFT median of the burst" in t]
+    assert phase == ["- fst @ 4 × 2 (median of 2 rounds): (context, not a target) TTFT median of the burst (the first 2 "
+                     "requests, sent at once) / of the later requests (each sent as one ends): 150 / 350 vs 200 / 300 ms "
+                     "(0.75× / 1.17× xgrammar's)."]
 
 
 def test_bench_compile_serving_stages(fst_artifacts):
