@@ -1485,11 +1485,17 @@ def _ttft_phases(r: dict) -> tuple[float | None, float | None]:
     half its requests are the burst (64 × 32): the medians show which of them moves it."""
     if "ttft_burst_ms" in r:
         return r["ttft_burst_ms"], r.get("ttft_later_ms")
+    burst, later = ([p["ttft_ms"] for p in recs] for recs in _sent_phases(r))
+    return (_pct(burst, 50) if burst else None), (_pct(later, 50) if later else None)
+
+
+def _sent_phases(r: dict) -> tuple[list[dict], list[dict]]:
+    """A serving row's ``per_request`` records with a TTFT, split into its first ``concurrency`` requests
+    (sent at once) and the later ones (each sent as one before it ends)."""
     recs = r.get("per_request") or []
     c = r["concurrency"]
-    burst = [p["ttft_ms"] for p in recs[:c] if p.get("ttft_ms") is not None]
-    later = [p["ttft_ms"] for p in recs[c:] if p.get("ttft_ms") is not None]
-    return (_pct(burst, 50) if burst else None), (_pct(later, 50) if later else None)
+    return ([p for p in recs[:c] if p.get("ttft_ms") is not None],
+            [p for p in recs[c:] if p.get("ttft_ms") is not None])
 
 
 def _size_key(r: dict) -> tuple:
@@ -1761,7 +1767,7 @@ def serving_steady_split(rows: list[dict]) -> list[str]:
         recs = r.get("per_request") or []
         if r.get("repeat") or len(recs) <= r["concurrency"]:
             continue
-        later = [p for p in recs[r["concurrency"]:] if p.get("ttft_ms") is not None]
+        later = _sent_phases(r)[1]
         med = [_pct([p["ttft_ms"] for p in later if p["kind"] == k], 50) for k in ("json", "regex")]
         out.append(f"{r['backend']} @ {_row_label(r)}: {_fmt(med[0], 'd')} / {_fmt(med[1], 'd')}")
     return out
@@ -2030,7 +2036,6 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     startup: dict[str, float] = {}
     server_fail: dict[str, str] = {}
-    engine_loads: dict[str, dict | None] = {}
     artifacts = args.fst_artifacts.resolve()
     if any(b.startswith("fst") for b in args.backends) and not args.server_url:
         print(f"[bench_e2e] fst artifacts {artifacts}: {ensure_fst_artifacts(artifacts, progress)}", flush=True)
@@ -2063,12 +2068,12 @@ def main(argv=None) -> int:
                 serving(backend, base, round_no)
             if backend.startswith("fst") and do_serving:
                 logs.setdefault(backend, []).append(log_path)
-                engine_loads[backend] = engine_load_stats(logs[backend])
         except Exception as e:  # noqa: BLE001 - a backend that cannot start is reported, the others go on
             server_fail[backend] = str(e).splitlines()[0][:200]
             print(f"[bench_e2e] {backend} failed: {e}", file=sys.stderr, flush=True)
             continue
 
+    engine_loads = {b: engine_load_stats(paths) for b, paths in logs.items()}  # (every round's log, read once)
     total_s = time.monotonic() - t_start
     meta = {"command": command, "total_s": total_s, "questions": len(questions), "samples": args.samples, "batch": args.batch,
             "host": host_note(), "workloads": list(args.workloads),
