@@ -716,3 +716,40 @@ def test_033_keeps_what_the_first_sample_in_the_step_relies_on():
     drafts = excerpt("vllm/v1/core/sched/scheduler.py", "Scheduler.update_draft_token_ids")
     assert params(def_node(drafts)) == ["self", "draft_token_ids"]
     assert "if request.is_prefill_chunk:" in drafts and "request.spec_token_ids = []" in drafts
+
+
+@pytest.mark.parametrize("drafts", [{}, {"b": 2, "c": 1}])
+def test_033_cpu_mask_apply_keeps_vllms_row_layout(v033, drafts):
+    """``patches._sorted_bitmask`` runs 0.33's own ``apply_grammar_bitmask`` (its bitmask has
+    ``mask_stride`` rows per request, 1 + the most drafts any request may have): fst's CPU apply on what
+    it records gives 0.33's logits, draft rows included."""
+    import numpy as np
+    import torch
+
+    from fst_testlib import grammar_bitmask_step
+    from vllm_fst_backend.runtime import logits_mask
+    from vllm_fst_backend.vllm import patches
+
+    rng = np.random.default_rng(5)
+    sched, grammar, batch, logits = grammar_bitmask_step(rng, 700, ["a", "b", "c", "d", "e"], drafts, stride=3)
+    want = logits.clone()
+    v033.utils.apply_grammar_bitmask(sched, grammar, batch, want)
+    bitmask, rows = patches._sorted_bitmask(v033.utils.apply_grammar_bitmask, sched, grammar, batch, logits.shape[0])
+    got = logits.clone()
+    logits_mask.apply_token_bitmask_inplace(got, bitmask, rows)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(got.view(torch.int16), logits.view(torch.int16))
+    assert v033.utils.xgr is not None and not isinstance(v033.utils.xgr, patches._BitmaskRecorder)  # put back
+
+
+def test_033_cpu_mask_apply_touch_points():
+    """What ``patches._patch_cpu_mask_apply`` relies on in 0.33: the worker loads the plugins before it
+    imports the worker class (so ``gpu_model_runner``'s ``from ... import apply_grammar_bitmask`` binds
+    the wrapper), ``init_device`` has the worker's config, and the model runner calls the function."""
+    init = excerpt("vllm/v1/worker/worker_base.py", "WorkerWrapperBase.init_worker")
+    assert "load_general_plugins()" in init and "resolve_obj_by_qualname(" in init
+    assert init.index("load_general_plugins()") < init.index("resolve_obj_by_qualname(")
+    assert "self.vllm_config = vllm_config" in init
+    assert "self.vllm_config" in excerpt("vllm/v1/worker/worker_base.py", "WorkerWrapperBase.init_device")
+    assert _lines("vllm/v1/worker/gpu_model_runner.py", "apply_grammar_bitmask") == [
+        "from vllm.v1.structured_output.utils import apply_grammar_bitmask", "apply_grammar_bitmask("]

@@ -505,6 +505,9 @@ def test_compile_time_and_forced_tokens_visible(server, eos_ids):
     assert forced >= 10, done.group(0)  # `{"id": `, `, "ok": ` and `}` are forced
     assert re.search(r"fst: validated regex constraint: compiled in [0-9.]+ ms", log)
     assert "forced-token proposer warmed up" in log and "forced-token proposer ready" in log
+    # the worker applies the bitmasks itself (vllm/patches._patch_cpu_mask_apply), on bfloat16 logits
+    assert "fst: bitmasks applied to the CPU logits in their own dtype" in log
+    assert re.search(r"fst: first bitmask applied to torch\.bfloat16 logits \(\d+, 49152\)", log)
     assert f"loaded tokenizer artifacts {server.artifacts}" in log  # the session build, no auto-build
     assert "building tokenizer artifacts" not in log
 

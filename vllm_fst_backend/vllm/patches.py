@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import sys
 from typing import Any, Callable
 
 from . import BACKEND_NAME
@@ -321,6 +322,99 @@ def install_runner_binding() -> None:
     propose_draft_token_ids.__fst_original__ = orig  # type: ignore[attr-defined]
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
 
+
+
+class _BitmaskRecorder:
+    """Stands in for vLLM's ``xgr`` module while :func:`_sorted_bitmask` runs vLLM's own
+    ``apply_grammar_bitmask``: records the bitmask and row indices it would apply."""
+
+    def __init__(self):
+        self.args = None
+
+    def apply_token_bitmask_inplace(self, logits, bitmask, indices=None):
+        self.args = (bitmask, indices)
+
+
+def _sorted_bitmask(orig: Callable, scheduler_output, grammar_output, input_batch, n_rows: int):
+    """``(bitmask int32[n_rows, W], row indices or None)`` as vLLM's ``apply_grammar_bitmask`` (``orig``,
+    any supported version) lays them out for ``n_rows`` logits rows, or None if it no longer calls
+    ``xgr.apply_token_bitmask_inplace`` on CPU. Runs ``orig`` on a float32 ``[n_rows, 1]`` stand-in
+    for the logits (its CPU branch without a dtype conversion) with its module's ``xgr`` replaced by
+    a recorder, so the row order of every version (draft rows, 0.33's mask stride) stays vLLM's."""
+    import torch
+
+    g = orig.__globals__
+    rec = _BitmaskRecorder()
+    real = g.get("xgr")
+    g["xgr"] = rec
+    try:
+        orig(scheduler_output, grammar_output, input_batch, torch.empty((n_rows, 1), dtype=torch.float32))
+    finally:
+        g["xgr"] = real
+    return rec.args
+
+
+def _patch_cpu_mask_apply() -> None:
+    """On CPU, apply fst's bitmasks to the logits without vLLM's float32 round trip
+    (``vllm/v1/structured_output/utils.py::apply_grammar_bitmask``; docs/vllm-integration.md, touch
+    point 10). vLLM converts the whole logits tensor to float32 and back around xgrammar's CPU kernel,
+    whose cost grows with the number of disallowed tokens: ~2.5 ms per step for 32 requests of fst's
+    serving masks, ~0.6 ms with :func:`~vllm_fst_backend.runtime.logits_mask.apply_token_bitmask_inplace`
+    (same logits, bit for bit). Only in a worker whose structured-output backend is fst (learnt in
+    ``WorkerWrapperBase.init_device``), so other backends keep vLLM's path; ``VLLM_FST_CPU_MASK_APPLY=0``
+    turns it off. The wrapper is installed before the model runner imports the function (plugins load
+    in ``init_worker``, before the worker class), which is how ``gpu_model_runner`` sees it."""
+    if not env_flag("VLLM_FST_CPU_MASK_APPLY", True):
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.v1.structured_output.utils as so_utils
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    # numba (llvmlite) is imported only once the worker is set up: vLLM's kernel-override scan in
+    # init_worker, after the plugins load, reads every module's globals and fails on llvmlite's FFI object
+    def make_init_device(orig):
+        def init_device(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            try:
+                backend = self.vllm_config.structured_outputs_config.backend
+            except Exception:  # pragma: no cover
+                backend = None
+            if backend == BACKEND_NAME:
+                from ..runtime import logits_mask
+
+                logits_mask.warm_up()
+                _context.SERVED["worker_backend"] = backend
+                logger.info("fst: bitmasks applied to the CPU logits in their own dtype")
+            return out
+
+        return init_device
+
+    def make_apply(orig):
+        def apply_grammar_bitmask(scheduler_output, grammar_output, input_batch, logits):
+            if _context.SERVED.get("worker_backend") != BACKEND_NAME:
+                return orig(scheduler_output, grammar_output, input_batch, logits)
+            from ..runtime import logits_mask
+
+            if not logits_mask.supported(logits):
+                return orig(scheduler_output, grammar_output, input_batch, logits)
+            got = _sorted_bitmask(orig, scheduler_output, grammar_output, input_batch, logits.shape[0])
+            if got is None:  # pragma: no cover - a vLLM whose CPU branch changed
+                return orig(scheduler_output, grammar_output, input_batch, logits)
+            logits_mask.apply_token_bitmask_inplace(logits, got[0], got[1])
+            if not _context.SERVED.get("mask_applied"):
+                _context.SERVED["mask_applied"] = True
+                logger.info("fst: first bitmask applied to %s logits %s", logits.dtype, tuple(logits.shape))
+
+        return apply_grammar_bitmask
+
+    _wrap(WorkerWrapperBase, "init_device", make_init_device)
+    _wrap(so_utils, "apply_grammar_bitmask", make_apply)
+    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")  # imported before the plugins loaded
+    if runner is not None and hasattr(runner, "apply_grammar_bitmask"):
+        _wrap(runner, "apply_grammar_bitmask", make_apply)
 
 
 def legacy_mapping_active() -> bool:
@@ -692,7 +786,8 @@ def _may_prefill(sched: Any, request: Any) -> bool:
 
 
 CORE_PATCHES = (_patch_config_literal, _patch_sampling_params, _patch_manager)
-OPTIONAL_PATCHES = (_patch_input_processor, _patch_protocol, _patch_beam_search, _patch_serving_precheck, _patch_scheduler)
+OPTIONAL_PATCHES = (_patch_input_processor, _patch_protocol, _patch_beam_search, _patch_serving_precheck, _patch_scheduler,
+                    _patch_cpu_mask_apply)
 
 
 def install() -> None:

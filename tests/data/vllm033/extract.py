@@ -74,6 +74,8 @@ EXCERPTS = [
     ("vllm/exceptions.py", "VLLMValidationError"),
     ("vllm/exceptions.py", "GracefulHTTPError"),
     ("vllm/plugins/__init__.py", "load_general_plugins"),
+    ("vllm/v1/worker/worker_base.py", "WorkerWrapperBase.init_worker"),
+    ("vllm/v1/worker/worker_base.py", "WorkerWrapperBase.init_device"),
 ]
 
 # (file, regex): every matching line, verbatim (for code inside very long functions).
@@ -87,6 +89,7 @@ LINE_PATTERNS = [
      r"num_output_tokens = req_data\.num_output_tokens\[i\]|elif num_output_tokens < len\(req_state\.output_token_ids\)"
      r"|del req_state\.output_token_ids\[num_output_tokens:\]"),
     ("vllm/platforms/cpu.py", r"async_scheduling = False"),
+    ("vllm/v1/worker/gpu_model_runner.py", r"apply_grammar_bitmask"),
 ]
 
 

@@ -1,0 +1,155 @@
+"""Bitmask application on CPU logits (``runtime/logits_mask.py``) and its vLLM touch point
+(``vllm/patches._patch_cpu_mask_apply``): the same logits, bit for bit, as vLLM's own CPU path (float32
+round trip around xgrammar's kernel), for real fst rows and random ones."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fst_testlib import fst_artifacts, grammar_bitmask_step  # noqa: F401  (fixture)
+from vllm_fst_backend.runtime import logits_mask
+
+xgr = pytest.importorskip("xgrammar")
+
+
+def _vllm_cpu_path(logits, bitmask, rows=None):
+    """What vLLM 0.32 / 0.33 do on CPU (``apply_grammar_bitmask``'s CPU branch)."""
+    f = logits.to(torch.float32)
+    xgr.apply_token_bitmask_inplace(f, torch.from_numpy(np.ascontiguousarray(bitmask)), indices=rows)
+    logits.copy_(f.to(logits.dtype))
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _random_mask(rng, B, W):
+    bm = rng.integers(-2**31, 2**31, size=(B, W), dtype=np.int64).astype(np.int32)
+    kind = rng.integers(0, 4, size=(B, W))
+    bm[kind == 0] = 0
+    bm[kind == 1] = -1
+    sparse = kind == 2  # sparser words
+    bm[sparse] &= rng.integers(-2**31, 2**31, size=int(sparse.sum()), dtype=np.int64).astype(np.int32)
+    return bm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("V", [49152, 1000, 33])
+def test_same_logits_as_vllms_cpu_path(dtype, V):
+    rng = np.random.default_rng(V)
+    B, W = 6, (V + 31) // 32
+    bm = _random_mask(rng, B, W)
+    logits = torch.from_numpy(rng.standard_normal((B, V), dtype=np.float32) * 30).to(dtype)
+    logits[0, :5] = float("inf")  # extreme values pass through untouched where allowed
+    for rows in (None, [4, 1], []):
+        want, got = logits.clone(), logits.clone()
+        _vllm_cpu_path(want, bm, rows)
+        logits_mask.apply_token_bitmask_inplace(got, bm, rows)
+        assert torch.equal(_bits(got), _bits(want)), (dtype, V, rows)
+        if rows == []:
+            assert torch.equal(_bits(got), _bits(logits))
+    # a bitmask wider than the logits (vLLM pads the vocabulary; the mask may cover more tokens)
+    wide = np.concatenate([bm, np.zeros((B, 2), np.int32)], axis=1)
+    want, got = logits.clone(), logits.clone()
+    _vllm_cpu_path(want, wide)
+    logits_mask.apply_token_bitmask_inplace(got, torch.from_numpy(wide))
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_real_fst_rows_on_smollm2(fst_artifacts):
+    """Rows of real SmolLM2 automata (a JSON string, free text, a template) along random walks."""
+    from vllm_fst_backend.compiler import CompileOptions, compile_regex
+    from vllm_fst_backend.runtime import FstMatcher
+
+    arts = fst_artifacts("smollm2")
+    rnd = random.Random(0)
+    rows = []
+    for rx in [r'\{"name": "[^"\\]{1,30}", "age": [0-9]{1,3}\}', r"[^\n]{1,80}", r"(yes|no|maybe)"]:
+        c = compile_regex(rx, arts, CompileOptions(canonical=True))
+        m = FstMatcher(c)
+        bm = torch.zeros((1, c.num_words), dtype=torch.int32)
+        for _ in range(40):
+            m.fill_bitmask(bm, 0)
+            rows.append(bm[0].numpy().copy())
+            allowed = np.flatnonzero(np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little"))
+            allowed = [t for t in allowed.tolist() if t not in m.eos_ids]
+            if not allowed or not m.accept_tokens("r", [rnd.choice(allowed)]) or m.is_terminated():
+                break
+    masks = np.stack(rows)
+    V = int(arts.vocab_size)
+    logits = torch.from_numpy(np.random.default_rng(1).standard_normal((len(rows), V), dtype=np.float32)).to(torch.bfloat16)
+    want, got = logits.clone(), logits.clone()
+    _vllm_cpu_path(want, masks)
+    logits_mask.apply_token_bitmask_inplace(got, masks)
+    assert torch.equal(_bits(got), _bits(want))
+    assert (torch.isinf(got) == ~torch.from_numpy(np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :V].astype(bool))).all()
+
+
+@pytest.mark.parametrize("bad", ["float64", "strided", "mask dtype", "mask rows", "row index"])
+def test_unsupported_input_is_a_value_error(bad):
+    logits = torch.zeros((2, 64), dtype=torch.bfloat16)
+    bm = np.zeros((2, 2), np.int32)
+    rows = None
+    if bad == "float64":
+        logits = logits.to(torch.float64)
+    elif bad == "strided":
+        logits = torch.zeros((2, 128), dtype=torch.bfloat16)[:, ::2]
+    elif bad == "mask dtype":
+        bm = bm.astype(np.int64)
+    elif bad == "mask rows":
+        bm = np.zeros((3, 2), np.int32)
+    else:
+        rows = [2]
+    assert logits_mask.supported(logits) == (bad not in ("float64", "strided"))
+    with pytest.raises(ValueError):
+        logits_mask.apply_token_bitmask_inplace(logits, bm, rows)
+
+
+@pytest.fixture
+def cpu_mask_patch(monkeypatch):
+    """``patches._patch_cpu_mask_apply`` installed on the installed vLLM (undone after the test)."""
+    pytest.importorskip("vllm")
+    from vllm_fst_backend.vllm import context, patches
+
+    n = len(patches._PATCHES)
+    monkeypatch.setattr("vllm.platforms.current_platform.is_cpu", lambda: True)
+    patches._patch_cpu_mask_apply()
+    yield patches, context
+    while len(patches._PATCHES) > n:
+        owner, attr, orig = patches._PATCHES.pop()
+        setattr(owner, attr, orig)
+    context.SERVED.pop("worker_backend", None)
+    context.SERVED.pop("mask_applied", None)
+
+
+@pytest.mark.parametrize("drafts", [{}, {"b": 2, "c": 1}])
+def test_patched_apply_grammar_bitmask_equals_vllms(cpu_mask_patch, drafts, monkeypatch):
+    """The wrapper (a worker serving fst) gives vLLM's logits, draft rows included; in a worker of another
+    backend it leaves the work to vLLM's function."""
+    import vllm.v1.structured_output.utils as so_utils
+
+    patches, context = cpu_mask_patch
+    wrapped = so_utils.apply_grammar_bitmask
+    assert wrapped.__fst_wrapped__
+    orig = wrapped.__fst_original__
+    rng = np.random.default_rng(3)
+    sched, grammar, batch, logits = grammar_bitmask_step(rng, 1000, ["a", "b", "c", "d", "e"], drafts)
+    want = logits.clone()
+    orig(sched, grammar, batch, want)
+
+    calls = []
+    real = logits_mask.apply_token_bitmask_inplace
+    monkeypatch.setattr(logits_mask, "apply_token_bitmask_inplace", lambda *a: (calls.append(1), real(*a)))
+    other = logits.clone()
+    wrapped(sched, grammar, batch, other)  # no fst worker: vLLM's path
+    assert not calls and torch.equal(_bits(other), _bits(want))
+
+    context.SERVED["worker_backend"] = "fst"
+    got = logits.clone()
+    wrapped(sched, grammar, batch, got)
+    assert calls and torch.equal(_bits(got), _bits(want))
+    assert not torch.equal(_bits(got), _bits(logits))  # something was masked
