@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-MODEL = "models/SmolLM2-135M-Instruct"
+MODEL = str(ROOT / "models" / "SmolLM2-135M-Instruct")
 
 
 def _allowed(row: np.ndarray, V: int) -> np.ndarray:

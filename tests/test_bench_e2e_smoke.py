@@ -519,3 +519,27 @@ def test_health_poller_separate_process():
         srv.shutdown()
     assert len(out["times"]) >= 10 and all(0 < t < 5 for t in out["times"])
     assert out["errors"] and all(e == "HTTP 503" for e in out["errors"]) and max(out["times"]) >= 0.05
+
+
+@pytest.mark.e2e
+def test_bench_mask_apply_masks_and_timings(fst_artifacts):
+    """scripts/bench_mask_apply.py: one step's masks of real fst and xgrammar matchers on the serving
+    constraints (a row per request, mask words of every kind), both paths timed on them."""
+    import numpy as np
+
+    from scripts import bench_mask_apply as b
+    from scripts.bench_compile_serving import serving_constraints
+
+    arts = fst_artifacts("smollm2")
+    V = int(arts.vocab_size)
+    cases = serving_constraints(3)
+    masks = b.fst_masks(cases, arts, steps=4, seed=0)
+    xmasks = b.xgrammar_masks(cases, V, steps=2, seed=0)
+    assert len(masks) == 4 and len(xmasks) == 2
+    assert all(m.shape == (3, (V + 31) // 32) and m.dtype == np.int32 for m in masks + xmasks)
+    for ms in (masks, xmasks):
+        ones, zeros, some = b.word_shares(ms)
+        assert zeros > 0 and some > 0 and abs(ones + zeros + some - 1) < 1e-9
+    v = b.time_per_step(b.vllm_path, masks, V, 1)
+    f = b.time_per_step(b.fst_path, masks, V, 1)
+    assert len(v) == len(f) == 4 and min(v) > 0 and min(f) > 0
