@@ -1,6 +1,7 @@
-"""Bitmask application on CPU logits (``runtime/logits_mask.py``) and its vLLM touch point
-(``vllm/patches._patch_cpu_mask_apply``): the same logits, bit for bit, as vLLM's own CPU path (float32
-round trip around xgrammar's kernel), for real fst rows and random ones."""
+"""Per-step work of a CPU worker. Bitmask application on CPU logits (``runtime/logits_mask.py``) and its
+vLLM touch point (``vllm/patches._patch_cpu_mask_apply``): the same logits, bit for bit, as vLLM's own CPU
+path (float32 round trip around xgrammar's kernel), for real fst rows and random ones. The rejection
+sampler's noise for requests with drafts only (``vllm/patches.patch_cpu_recovered``, jumps)."""
 
 from __future__ import annotations
 
@@ -153,3 +154,58 @@ def test_patched_apply_grammar_bitmask_equals_vllms(cpu_mask_patch, drafts, monk
     wrapped(sched, grammar, batch, got)
     assert calls and torch.equal(_bits(got), _bits(want))
     assert not torch.equal(_bits(got), _bits(logits))  # something was masked
+
+
+def _recovered_inputs(num_draft, V=6, seed=0):
+    """Inputs of ``rejection_sampler.sample_recovered_tokens`` for requests with ``num_draft`` drafts each:
+    every draft proposes token 0; the target puts 0.5 on token 0 and the rest on tokens 1..V-1 as 1:2:..."""
+    n = sum(num_draft)
+    cu = torch.tensor(np.cumsum(num_draft), dtype=torch.int32)
+    draft = torch.zeros(n, dtype=torch.int32)
+    tail = torch.arange(1, V, dtype=torch.float32)
+    probs = torch.cat([torch.tensor([0.5]), 0.5 * tail / tail.sum()]).repeat(n, 1)
+    return cu, draft, probs
+
+
+def test_recovered_tokens_drawn_for_draft_rows_only_keep_their_distribution(monkeypatch):
+    """``patches.patch_cpu_recovered``: noise only for the requests with drafts; the recovered tokens
+    (drafts rejected: target less draft, renormalized) keep their distribution, seeded requests keep
+    their generator's draws. The kernel is vLLM's CPU one (a CPU worker rebinds the Triton kernel to it)."""
+    import types
+
+    pytest.importorskip("vllm")
+    import vllm.v1.sample.rejection_sampler as rs
+    from vllm.utils import cpu_triton_utils
+
+    from vllm_fst_backend.vllm import patches
+
+    def cpu_kernel(out, cu, draft, draft_probs, target_probs, inv_q, *, max_spec_len):
+        cpu_triton_utils._sample_recovered_tokens_kernel_impl(out, cu, draft, draft_probs, target_probs, inv_q,
+                                                              target_probs.shape[1], NO_DRAFT_PROBS=draft_probs is None)
+
+    monkeypatch.setattr(rs, "_sample_recovered_tokens", cpu_kernel)
+
+    ours = patches._recovered_tokens_for_draft_rows(rs)
+    orig = getattr(rs.sample_recovered_tokens, "__fst_original__", rs.sample_recovered_tokens)
+    num_draft = [0, 2, 0, 1, 0, 0]
+    cu, draft, probs = _recovered_inputs(num_draft)
+    meta = types.SimpleNamespace(generators={})
+    counts = np.zeros(6)
+    torch.manual_seed(0)
+    for _ in range(3000):
+        out = ours(2, num_draft, cu, draft, None, probs, meta, torch.device("cpu"))
+        counts += np.bincount(out.numpy(), minlength=6)
+    assert counts[0] == 0  # the draft token itself is never the recovered one
+    freq = counts[1:] / counts.sum()
+    want = np.arange(1, 6) / 15
+    assert np.abs(freq - want).max() < 0.02, (freq, want)
+    # a seeded request (its own generator) gets the same recovered tokens as with vLLM's function
+    for seed in range(5):
+        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        m1 = types.SimpleNamespace(generators={1: g1})
+        m2 = types.SimpleNamespace(generators={1: g2})
+        want_ids = orig(2, num_draft, cu, draft, None, probs, m1, torch.device("cpu"))
+        got_ids = ours(2, num_draft, cu, draft, None, probs, m2, torch.device("cpu"))
+        assert torch.equal(want_ids[:2], got_ids[:2]), seed  # request 1's two drafts
+    assert ours(2, [0, 0], torch.tensor([0, 0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32), None,
+                torch.zeros((0, 6)), meta, torch.device("cpu")).numel() == 0

@@ -241,6 +241,10 @@ def test_033_rejection_sampler_cpu_workaround_still_applies():
     callees = [ast.unparse(c.func) for c in ast.walk(constraints) if isinstance(c, ast.Call)]
     assert callees.count("expand_batch_to_tokens") >= 2
     assert "_ensure_int64(output)" in excerpt("vllm/utils/cpu_triton_utils.py", "_expand_kernel_impl")
+    # patch_cpu_recovered replaces the module global sample_recovered_tokens (unchanged in 0.33, listed
+    # below), which 0.33's rejection_sample still calls by that name
+    sample = def_node(excerpt("vllm/v1/sample/rejection_sampler.py", "rejection_sample"))
+    assert [ast.unparse(c.func) for c in ast.walk(sample) if isinstance(c, ast.Call)].count("sample_recovered_tokens") == 1
 
 
 # Touch points the 0.33 port leaves as they are because 0.33 did not change them.
@@ -256,6 +260,8 @@ UNCHANGED_IN_033 = [
     ("vllm/entrypoints/generate/beam_search/offline.py", "BeamSearchOfflineMixin._init_beam_search_structured_output"),
     ("vllm/v1/sample/rejection_sampler.py", "expand_batch_to_tokens"),
     ("vllm/v1/sample/rejection_sampler.py", "apply_sampling_constraints"),
+    ("vllm/v1/sample/rejection_sampler.py", "sample_recovered_tokens"),
+    ("vllm/v1/sample/rejection_sampler.py", "_sample_recovered_tokens"),
     ("vllm/utils/cpu_triton_utils.py", "_expand_kernel_impl"),
     ("vllm/v1/worker/cpu_model_runner.py", "CPUModelRunner.load_model"),
     ("vllm/v1/worker/gpu_input_batch.py", "CachedRequestState"),

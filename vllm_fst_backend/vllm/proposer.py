@@ -70,6 +70,7 @@ class FstForcedTokenProposer:
 
         patches.install_runner_binding()
         patches.patch_cpu_expand()
+        patches.patch_cpu_recovered()
         if self.enabled and self.k > 0:
             # Warm up in the background (artifacts + the compiler's per-tokenizer helpers, ~1-2 s on
             # first use) so that the first fst_jump request does not finish before its automaton.
