@@ -111,12 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             "them. Private memory: the unique set size after the row's compiles over the size before the "
             "first row (what the compile process's memory budget measures; memory freed by earlier rows is "
             "partly returned, so rows are not cumulative).")
-    print(note)
-    if not args.no_write:
-        from scripts.bench_common import write_section
+    from scripts.bench_common import report_section
 
-        cmd = "python scripts/bench_bounded_strings.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_section("Bounded strings", cmd.strip(), "\n".join(rows), note)
+    report_section("Bounded strings", "bench_bounded_strings.py", argv, "\n".join(rows), note, write=not args.no_write)
     return 0
 
 

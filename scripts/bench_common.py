@@ -20,6 +20,22 @@ def write_section(title: str, command: str, body: str, note: str = "") -> None:
     BENCH_MD.write_text(text)
 
 
+def script_command(script: str, argv=None) -> str:
+    """The command line a section records: ``python scripts/<script> <args>`` (``argv``: the arguments
+    given to ``main``, else ``sys.argv[1:]``)."""
+    import sys
+
+    return ("python scripts/" + script + " " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+
+
+def report_section(title: str, script: str, argv, body: str, note: str, write: bool) -> None:
+    """Print ``note``; with ``write``, replace section ``title`` of docs/benchmarks.md with the script's
+    command (:func:`script_command`), ``body`` and ``note``."""
+    print(note)
+    if write:
+        write_section(title, script_command(script, argv), body, note)
+
+
 # Paper 001 App. C.4.5: the JSON-object schema (an RPG character), used by bench_compile and bench_e2e.
 JSON_OBJECT_SCHEMA = {
     "type": "object",

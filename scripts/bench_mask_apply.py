@@ -42,9 +42,34 @@ def _allowed(row: np.ndarray, V: int) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:V])
 
 
+def _walk(n: int, alloc, fill, done, accept, stop: set, V: int, steps: int, seed: int) -> list[np.ndarray]:
+    """``int32[n, W]`` per step of ``n`` matchers along random walks: ``alloc()`` a bitmask with every bit
+    set, ``fill(bm, i)`` row ``i`` unless ``done(i)`` (a finished request keeps its all-ones row, as vLLM
+    leaves it), then ``accept(i, token)`` of a token picked among the allowed ones (a ``stop`` token with
+    probability 0.3 when one is allowed)."""
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(steps):
+        bm = alloc()
+        for i in range(n):
+            if not done(i):
+                fill(bm, i)
+        out.append(bm.numpy().copy())
+        for i in range(n):
+            if done(i):
+                continue
+            ids = _allowed(bm[i].numpy(), V).tolist()
+            eos = [t for t in ids if t in stop]
+            rest = [t for t in ids if t not in stop]
+            if eos and (not rest or rnd.random() < 0.3):
+                accept(i, eos[0])
+            elif rest:
+                accept(i, rnd.choice(rest))
+    return out
+
+
 def fst_masks(cases, arts, steps: int, seed: int) -> list[np.ndarray]:
-    """``int32[B, W]`` per step: fst's matchers (one per case) along random walks (EOS when allowed
-    with probability 0.3; a finished request keeps an all-ones row, as vLLM leaves it)."""
+    """:func:`_walk` of fst's matchers (canonical mode), one per case."""
     from scripts.bench_compile_serving import fst_regex
     from vllm_fst_backend.compiler import CompileOptions, compile_regex
     from vllm_fst_backend.runtime import FstMatcher
@@ -52,25 +77,9 @@ def fst_masks(cases, arts, steps: int, seed: int) -> list[np.ndarray]:
     ms = [FstMatcher(compile_regex(fst_regex(kind, spec), arts, CompileOptions(canonical=True)))
           for _, kind, spec in cases]
     W = ms[0].compiled.num_words
-    rnd = random.Random(seed)
-    out = []
-    for _ in range(steps):
-        bm = torch.full((len(ms), W), -1, dtype=torch.int32)
-        for i, m in enumerate(ms):
-            if not m.is_terminated():
-                m.fill_bitmask(bm, i)
-        out.append(bm.numpy().copy())
-        for i, m in enumerate(ms):
-            if m.is_terminated():
-                continue
-            ids = _allowed(bm[i].numpy(), int(arts.vocab_size))
-            eos = [t for t in ids.tolist() if t in m.eos_ids]
-            rest = [t for t in ids.tolist() if t not in m.eos_ids]
-            if eos and (not rest or rnd.random() < 0.3):
-                m.accept_tokens("r", [eos[0]])
-            elif rest:
-                m.accept_tokens("r", [rnd.choice(rest)])
-    return out
+    return _walk(len(ms), lambda: torch.full((len(ms), W), -1, dtype=torch.int32), lambda bm, i: ms[i].fill_bitmask(bm, i),
+                 lambda i: ms[i].is_terminated(), lambda i, t: ms[i].accept_tokens("r", [t]), set(ms[0].eos_ids),
+                 int(arts.vocab_size), steps, seed)
 
 
 def xgrammar_masks(cases, V: int, steps: int, seed: int) -> list[np.ndarray]:
@@ -82,26 +91,9 @@ def xgrammar_masks(cases, V: int, steps: int, seed: int) -> list[np.ndarray]:
     comp = xgr.GrammarCompiler(info, max_threads=1)
     ms = [xgr.GrammarMatcher(comp.compile_json_schema(json.dumps(spec)) if kind == "json" else comp.compile_regex(spec))
           for _, kind, spec in cases]
-    stop = set(info.stop_token_ids)
-    rnd = random.Random(seed)
-    out = []
-    for _ in range(steps):
-        bm = xgr.allocate_token_bitmask(len(ms), V)
-        for i, m in enumerate(ms):
-            if not m.is_terminated():
-                m.fill_next_token_bitmask(bm, i)
-        out.append(bm.numpy().copy())
-        for i, m in enumerate(ms):
-            if m.is_terminated():
-                continue
-            ids = _allowed(bm[i].numpy(), V)
-            eos = [t for t in ids.tolist() if t in stop]
-            rest = [t for t in ids.tolist() if t not in stop]
-            if eos and (not rest or rnd.random() < 0.3):
-                m.accept_token(eos[0])
-            elif rest:
-                m.accept_token(rnd.choice(rest))
-    return out
+    return _walk(len(ms), lambda: xgr.allocate_token_bitmask(len(ms), V), lambda bm, i: ms[i].fill_next_token_bitmask(bm, i),
+                 lambda i: ms[i].is_terminated(), lambda i, t: ms[i].accept_token(t), set(info.stop_token_ids),
+                 V, steps, seed)
 
 
 def vllm_path(logits: torch.Tensor, bitmask: np.ndarray) -> None:
@@ -183,12 +175,9 @@ def main(argv=None) -> int:
             "`runtime/logits_mask.apply_token_bitmask_inplace`, what a worker serving fst runs instead "
             "(same logits bit for bit: `tests/test_logits_mask.py`). A decode step of the served 135M model "
             "takes ~20 ms with 1-7 requests and ~65-80 ms with 24-32 on this host (the serving hand notes).")
-    print(note)
-    if not args.no_write:
-        from scripts.bench_common import write_section
+    from scripts.bench_common import report_section
 
-        cmd = "python scripts/bench_mask_apply.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_section("Bitmask application on CPU", cmd.strip(), "\n".join(rows), note)
+    report_section("Bitmask application on CPU", "bench_mask_apply.py", argv, "\n".join(rows), note, write=not args.no_write)
     return 0
 
 
