@@ -298,30 +298,24 @@ def check_coaccessible(c, seen, edges) -> None:
 # --- vLLM's apply_grammar_bitmask inputs (tests/test_logits_mask.py, tests/test_vllm033_source.py) -------------
 
 
-def grammar_bitmask_step(rng: np.random.Generator, V: int, batch: list, drafts: dict, stride: int | None = None,
-                         structured: list | None = None, rows: list | None = None):
+def grammar_bitmask_step(rng: np.random.Generator, V: int, batch: list, drafts: dict, stride: int | None = None):
     """``(scheduler_output, grammar_output, input_batch, logits bfloat16[n, V])`` of one step as vLLM's
     ``apply_grammar_bitmask`` reads them: ``batch`` the runner's request ids in batch order, ``drafts``
-    the draft-token count per request (one logits row per request plus one per draft), ``structured``
-    the ids with a grammar (default every other one, in reversed order: vLLM's bitmask order need not
-    be the batch's), bitmask rows from ``rows`` (``int32[W]`` each, cycled) or random words of the
-    three kinds (all allowed, none, mixed); ``stride`` the bitmask rows per request (vLLM 0.33's
-    ``mask_stride``) or None for 0.32's packed rows (``1 +`` drafts each)."""
+    the draft-token count per request (one logits row per request plus one per draft); every other
+    request has a grammar, listed in reversed order (vLLM's bitmask order need not be the batch's), its
+    bitmask rows random words of the three kinds (all allowed, none, mixed); ``stride`` the bitmask rows
+    per request (vLLM 0.33's ``mask_stride``) or None for 0.32's packed rows (``1 +`` drafts each)."""
     import types
 
     import torch
 
     W = (V + 31) // 32
-    structured = list(reversed(batch[::2])) if structured is None else structured
-    n_rows = [1 + drafts.get(r, 0) for r in structured]
-    n_mask = len(structured) * stride if stride else sum(n_rows)
-    if rows:
-        bm = np.stack([rows[i % len(rows)] for i in range(n_mask)]).astype(np.int32)
-    else:
-        bm = rng.integers(-2**31, 2**31, size=(n_mask, W), dtype=np.int64).astype(np.int32)
-        kind = rng.integers(0, 3, size=(n_mask, W))
-        bm[kind == 0] = 0
-        bm[kind == 1] = -1
+    structured = list(reversed(batch[::2]))
+    n_mask = len(structured) * stride if stride else sum(1 + drafts.get(r, 0) for r in structured)
+    bm = rng.integers(-2**31, 2**31, size=(n_mask, W), dtype=np.int64).astype(np.int32)
+    kind = rng.integers(0, 3, size=(n_mask, W))
+    bm[kind == 0] = 0
+    bm[kind == 1] = -1
     sched = types.SimpleNamespace(scheduled_spec_decode_tokens={r: [7] * k for r, k in drafts.items() if k})
     grammar = types.SimpleNamespace(structured_output_request_ids=structured, grammar_bitmask=bm)
     n_logits = sum(1 + drafts.get(r, 0) for r in batch)
