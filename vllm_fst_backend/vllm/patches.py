@@ -283,17 +283,14 @@ def patch_cpu_expand() -> None:
         return
     if not current_platform.is_cpu():
         return
-    orig = rs.expand_batch_to_tokens
-    if getattr(orig, "__fst_wrapped__", False):
-        return
-    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
-        return _torch_expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
 
-    new = functools.update_wrapper(expand_batch_to_tokens, orig)
-    new.__fst_wrapped__ = True  # type: ignore[attr-defined]
-    new.__fst_original__ = orig  # type: ignore[attr-defined]
-    rs.expand_batch_to_tokens = new
-    _PATCHES.append((rs, "expand_batch_to_tokens", orig))
+    def make(orig):
+        def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+            return _torch_expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+
+        return expand_batch_to_tokens
+
+    _wrap(rs, "expand_batch_to_tokens", make)
 
 
 def _recovered_tokens_for_draft_rows(rs: Any) -> Callable:
