@@ -38,15 +38,14 @@ if str(ROOT) not in sys.path:
 MODEL = str(ROOT / "models" / "SmolLM2-135M-Instruct")
 
 
-def _allowed(row: np.ndarray, V: int) -> np.ndarray:
-    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:V])
-
-
 def _walk(n: int, alloc, fill, done, accept, stop: set, V: int, steps: int, seed: int) -> list[np.ndarray]:
     """``int32[n, W]`` per step of ``n`` matchers along random walks: ``alloc()`` a bitmask with every bit
     set, ``fill(bm, i)`` row ``i`` unless ``done(i)`` (a finished request keeps its all-ones row, as vLLM
-    leaves it), then ``accept(i, token)`` of a token picked among the allowed ones (a ``stop`` token with
-    probability 0.3 when one is allowed)."""
+    leaves it), then ``accept(i, token)`` of a token picked among the allowed ones as bench_compile's walks
+    pick them (``_pick``: a ``stop`` token with probability 0.3 when one is allowed)."""
+    from scripts.bench_compile import _ids, _pick
+
+    eos = np.asarray(sorted(stop))
     rnd = random.Random(seed)
     out = []
     for _ in range(steps):
@@ -58,13 +57,9 @@ def _walk(n: int, alloc, fill, done, accept, stop: set, V: int, steps: int, seed
         for i in range(n):
             if done(i):
                 continue
-            ids = _allowed(bm[i].numpy(), V).tolist()
-            eos = [t for t in ids if t in stop]
-            rest = [t for t in ids if t not in stop]
-            if eos and (not rest or rnd.random() < 0.3):
-                accept(i, eos[0])
-            elif rest:
-                accept(i, rnd.choice(rest))
+            tok = _pick(_ids(bm[i])[:V], eos, rnd)
+            if tok is not None:
+                accept(i, tok)
     return out
 
 
