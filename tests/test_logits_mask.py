@@ -209,3 +209,64 @@ def test_recovered_tokens_drawn_for_draft_rows_only_keep_their_distribution(monk
         assert torch.equal(want_ids[:2], got_ids[:2]), seed  # request 1's two drafts
     assert ours(2, [0, 0], torch.tensor([0, 0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32), None,
                 torch.zeros((0, 6)), meta, torch.device("cpu")).numel() == 0
+
+
+def test_recovered_tokens_of_one_token_targets_need_no_noise(monkeypatch):
+    """Drafts whose target distributions have one token each (forced tokens: what the jump proposer
+    drafts) get the recovered tokens of vLLM's function without any draw from the global generator;
+    a seeded request's generator still advances as in vLLM; a request with one wider target among its
+    drafts still draws (its recovered token there keeps its distribution), in the same batch."""
+    import types
+
+    pytest.importorskip("vllm")
+    import vllm.v1.sample.rejection_sampler as rs
+    from vllm.utils import cpu_triton_utils
+
+    from vllm_fst_backend.vllm import patches
+
+    def cpu_kernel(out, cu, draft, draft_probs, target_probs, inv_q, *, max_spec_len):
+        cpu_triton_utils._sample_recovered_tokens_kernel_impl(out, cu, draft, draft_probs, target_probs, inv_q,
+                                                              target_probs.shape[1], NO_DRAFT_PROBS=draft_probs is None)
+
+    monkeypatch.setattr(rs, "_sample_recovered_tokens", cpu_kernel)
+    ours = patches._recovered_tokens_for_draft_rows(rs)
+    orig = getattr(rs.sample_recovered_tokens, "__fst_original__", rs.sample_recovered_tokens)
+    V = 1000
+    num_draft = [0, 3, 1, 0, 2]
+    n = sum(num_draft)
+    cu = torch.tensor(np.cumsum(num_draft), dtype=torch.int32)
+    draft = torch.tensor([7, 8, 9, 10, 11, 12], dtype=torch.int32)
+    forced = torch.zeros((n, V))
+    forced[torch.arange(n), draft.long()] = 1.0  # each draft is the only allowed token (accepted)
+    forced[3] = 0.0
+    forced[3, 500] = 1.0  # request 2's draft is not the allowed token (rejected: recovered = 500)
+    meta = types.SimpleNamespace(generators={})
+    proposed = torch.zeros((n, V))
+    proposed[torch.arange(n), draft.long()] = 1.0  # a proposer's own distribution: its draft token
+    for draft_probs in (None, proposed):
+        want = orig(3, num_draft, cu, draft, draft_probs, forced, meta, torch.device("cpu"))
+        before = torch.get_rng_state()
+        got = ours(3, num_draft, cu, draft, draft_probs, forced, meta, torch.device("cpu"))
+        assert torch.equal(torch.get_rng_state(), before)  # no noise drawn
+        assert torch.equal(got, want)
+        assert int(got[3]) == 500
+    assert patches._rows_needing_noise(num_draft, forced, {}) == []
+    # a seeded request: its generator advances as with vLLM's function
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    orig(3, num_draft, cu, draft, None, forced, types.SimpleNamespace(generators={4: g1}), torch.device("cpu"))
+    ours(3, num_draft, cu, draft, None, forced, types.SimpleNamespace(generators={4: g2}), torch.device("cpu"))
+    assert torch.equal(g1.get_state(), g2.get_state())
+    # request 4's second draft has a wide target: that request draws, the others still do not
+    mixed = forced.clone()
+    mixed[5] = 0.0
+    mixed[5, 12] = 0.5
+    mixed[5, 20:30] = 0.05
+    assert patches._rows_needing_noise(num_draft, mixed, {}) == [4]
+    counts = np.zeros(V)
+    torch.manual_seed(0)
+    for _ in range(2000):
+        out = ours(3, num_draft, cu, draft, None, mixed, meta, torch.device("cpu"))
+        assert torch.equal(out[:5], want[:5])
+        counts[int(out[5])] += 1
+    assert counts[20:30].sum() == 2000  # never the draft token itself
+    assert counts[20:30].min() > 120  # ten equally likely tokens, 200 draws each expected
