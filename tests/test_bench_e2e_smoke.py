@@ -543,3 +543,28 @@ def test_bench_mask_apply_masks_and_timings(fst_artifacts):
     v = b.time_per_step(b.vllm_path, masks, V, 1)
     f = b.time_per_step(b.fst_path, masks, V, 1)
     assert len(v) == len(f) == 4 and min(v) > 0 and min(f) > 0
+
+
+@pytest.mark.e2e
+def test_bench_recovered_tokens_drafts_and_inputs(fst_artifacts):
+    """scripts/bench_recovered_tokens.py: per step, the drafts of each request are its matcher's forced
+    chain (some steps have drafts, at most 8 each); the step's inputs give one-token targets on the
+    drafts, or targets over 64 tokens."""
+    import numpy as np
+    import torch
+
+    from scripts import bench_recovered_tokens as b
+    from scripts.bench_compile_serving import serving_constraints
+
+    arts = fst_artifacts("smollm2")
+    counts = b.draft_counts(serving_constraints(3), arts, steps=6, seed=0)
+    assert len(counts) == 6 and all(len(c) == 3 for c in counts)
+    assert any(sum(c) for c in counts) and max(max(c) for c in counts) <= b.MAX_DRAFTS
+    step = next(c for c in counts if sum(c))
+    V = int(arts.vocab_size)
+    cu, draft, probs = b.step_inputs(step, V, wide=False, rng=np.random.default_rng(0))
+    assert int(cu[-1]) == sum(step) == len(draft) and probs.shape == (sum(step), V)
+    assert torch.equal(probs.argmax(-1), draft.long()) and torch.equal(torch.count_nonzero(probs, dim=-1),
+                                                                       torch.ones(len(draft), dtype=torch.int64))
+    _, _, wide = b.step_inputs(step, V, wide=True, rng=np.random.default_rng(0))
+    assert (torch.count_nonzero(wide, dim=-1) > 1).all() and torch.allclose(wide.sum(-1), torch.ones(len(draft)))
