@@ -4,8 +4,8 @@ the one a worker with fst's jump proposer runs (``vllm/patches.patch_cpu_recover
 
 vLLM's ``rejection_sampler.sample_recovered_tokens`` draws an exponential variate per vocabulary entry for
 every request of a step that verifies drafts; fst's replacement draws them only for the requests whose
-recovered tokens depend on them (requests with drafts, less the unseeded ones whose drafts all have
-one-token targets: forced tokens, what the jump proposer drafts). Both are timed on the inputs of one
+recovered tokens can be read (requests with drafts, less the unseeded ones whose drafts are all accepted
+for sure: target probability 1, as forced tokens have, what the jump proposer drafts). Both are timed on the inputs of one
 step of B requests (SmolLM2's 49,152 tokens): the drafts of each request are fst's forced-token chain at
 that point of a random walk of its serving-workload constraint (``scripts/bench_e2e.make_serving_cases``;
 at most 8 per request, the served ``num_speculative_tokens``), and each draft's target puts all its mass
@@ -142,8 +142,11 @@ def main(argv=None) -> int:
             f"Time per step: the best of {args.repeats} runs; p50 and mean over those steps. The kernel is vLLM's CPU "
             "one (`cpu_triton_utils._sample_recovered_tokens_kernel_impl`), no draft probabilities (as the jump "
             "proposer); unseeded requests. vLLM's function: noise for every request of the step; fst's "
-            "(`vllm/patches._recovered_tokens_for_draft_rows`): for the requests whose recovered tokens depend "
-            "on it (same tokens for one-token targets, the same distribution otherwise: `tests/test_logits_mask.py`).")
+            "(`vllm/patches._recovered_tokens_for_draft_rows`): for the requests whose recovered tokens can be "
+            "read (not those whose drafts all have target probability 1: always accepted; the sampler's output "
+            "tokens are the same, and the recovered tokens it reads keep their distribution: "
+            "`tests/test_logits_mask.py`). The rows with wide targets cost what the previous version of the patch "
+            "(noise for every request with drafts) cost for forced drafts too.")
     from scripts.bench_common import report_section
 
     report_section("Recovered tokens with jumps on CPU", "bench_recovered_tokens.py", argv, "\n".join(rows), note,

@@ -211,11 +211,13 @@ def test_recovered_tokens_drawn_for_draft_rows_only_keep_their_distribution(monk
                 torch.zeros((0, 6)), meta, torch.device("cpu")).numel() == 0
 
 
-def test_recovered_tokens_of_one_token_targets_need_no_noise(monkeypatch):
-    """Drafts whose target distributions have one token each (forced tokens: what the jump proposer
-    drafts) get the recovered tokens of vLLM's function without any draw from the global generator;
-    a seeded request's generator still advances as in vLLM; a request with one wider target among its
-    drafts still draws (its recovered token there keeps its distribution), in the same batch."""
+def test_recovered_tokens_of_drafts_accepted_for_sure_need_no_noise(monkeypatch):
+    """Drafts whose target probability is exactly 1 (forced tokens: what the jump proposer drafts) are
+    accepted whatever the uniform draw, so their requests' noise is never read: the patched function
+    draws none from the global generator and the rejection sampler (vLLM's CPU kernel) outputs the
+    same tokens as with vLLM's function, also when float rounding leaves other targets tiny but not
+    zero; a seeded request's generator advances as in vLLM; a request with a rejected draft or a draft
+    of a wider target still draws (in the same batch)."""
     import types
 
     pytest.importorskip("vllm")
@@ -231,42 +233,58 @@ def test_recovered_tokens_of_one_token_targets_need_no_noise(monkeypatch):
     monkeypatch.setattr(rs, "_sample_recovered_tokens", cpu_kernel)
     ours = patches._recovered_tokens_for_draft_rows(rs)
     orig = getattr(rs.sample_recovered_tokens, "__fst_original__", rs.sample_recovered_tokens)
-    V = 1000
+    V, K = 1000, 3
     num_draft = [0, 3, 1, 0, 2]
-    n = sum(num_draft)
+    B, n = len(num_draft), sum(num_draft)
     cu = torch.tensor(np.cumsum(num_draft), dtype=torch.int32)
     draft = torch.tensor([7, 8, 9, 10, 11, 12], dtype=torch.int32)
     forced = torch.zeros((n, V))
-    forced[torch.arange(n), draft.long()] = 1.0  # each draft is the only allowed token (accepted)
-    forced[3] = 0.0
-    forced[3, 500] = 1.0  # request 2's draft is not the allowed token (rejected: recovered = 500)
-    meta = types.SimpleNamespace(generators={})
+    forced[torch.arange(n), draft.long()] = 1.0  # each draft the only allowed token
+    forced[1, 40:50] = 1e-9  # rounding left: the draft's probability is still exactly 1
+    assert float(forced[1, 8]) == 1.0
     proposed = torch.zeros((n, V))
     proposed[torch.arange(n), draft.long()] = 1.0  # a proposer's own distribution: its draft token
+
+    def sample(fn, draft_probs, target, meta, uniform):
+        """Output tokens ``int64[B, K + 1]`` of vLLM's CPU rejection sampler with ``fn``'s recovered tokens."""
+        recovered = fn(K, num_draft, cu, draft, draft_probs, target, meta, torch.device("cpu"))
+        out = torch.full((B, K + 1), -1, dtype=torch.int64)
+        cpu_triton_utils._rejection_random_sample_kernel_impl(
+            out, cu, draft, draft_probs, target, torch.full((B,), 99, dtype=torch.int64), recovered, uniform,
+            torch.zeros(B, dtype=torch.bool), K, V, NO_DRAFT_PROBS=draft_probs is None)
+        return out
+
+    meta = types.SimpleNamespace(generators={})
+    g = torch.Generator().manual_seed(0)
     for draft_probs in (None, proposed):
-        want = orig(3, num_draft, cu, draft, draft_probs, forced, meta, torch.device("cpu"))
-        before = torch.get_rng_state()
-        got = ours(3, num_draft, cu, draft, draft_probs, forced, meta, torch.device("cpu"))
-        assert torch.equal(torch.get_rng_state(), before)  # no noise drawn
-        assert torch.equal(got, want)
-        assert int(got[3]) == 500
-    assert patches._rows_needing_noise(num_draft, forced, {}) == []
+        assert patches._rows_needing_noise(num_draft, draft, draft_probs, forced, {}) == []
+        for _ in range(20):
+            uniform = torch.rand(n, dtype=torch.float64, generator=g)
+            want = sample(orig, draft_probs, forced, meta, uniform)
+            before = torch.get_rng_state()
+            got = sample(ours, draft_probs, forced, meta, uniform)
+            assert torch.equal(torch.get_rng_state(), before)  # no noise drawn
+            assert torch.equal(got, want)
+            assert got[1].tolist() == [7, 8, 9, 99]  # every draft accepted, then the bonus token
     # a seeded request: its generator advances as with vLLM's function
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    orig(3, num_draft, cu, draft, None, forced, types.SimpleNamespace(generators={4: g1}), torch.device("cpu"))
-    ours(3, num_draft, cu, draft, None, forced, types.SimpleNamespace(generators={4: g2}), torch.device("cpu"))
+    orig(K, num_draft, cu, draft, None, forced, types.SimpleNamespace(generators={4: g1}), torch.device("cpu"))
+    ours(K, num_draft, cu, draft, None, forced, types.SimpleNamespace(generators={4: g2}), torch.device("cpu"))
     assert torch.equal(g1.get_state(), g2.get_state())
-    # request 4's second draft has a wide target: that request draws, the others still do not
+    # request 2's draft is not the allowed token (rejected: its recovered token is read), request 4's
+    # second draft has a wider target: those two draw, request 1 still does not
     mixed = forced.clone()
+    mixed[3] = 0.0
+    mixed[3, 500] = 1.0
     mixed[5] = 0.0
     mixed[5, 12] = 0.5
     mixed[5, 20:30] = 0.05
-    assert patches._rows_needing_noise(num_draft, mixed, {}) == [4]
+    assert patches._rows_needing_noise(num_draft, draft, None, mixed, {}) == [2, 4]
     counts = np.zeros(V)
     torch.manual_seed(0)
     for _ in range(2000):
-        out = ours(3, num_draft, cu, draft, None, mixed, meta, torch.device("cpu"))
-        assert torch.equal(out[:5], want[:5])
+        out = ours(K, num_draft, cu, draft, None, mixed, meta, torch.device("cpu"))
+        assert int(out[3]) == 500  # the only token left once the draft is excluded
         counts[int(out[5])] += 1
     assert counts[20:30].sum() == 2000  # never the draft token itself
     assert counts[20:30].min() > 120  # ten equally likely tokens, 200 draws each expected

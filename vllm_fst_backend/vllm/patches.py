@@ -293,41 +293,51 @@ def patch_cpu_expand() -> None:
     _wrap(rs, "expand_batch_to_tokens", make)
 
 
-def _rows_needing_noise(num_draft_tokens: list, target_probs: Any, seeded: Any) -> list:
-    """The requests (batch rows) whose recovered tokens depend on the rejection sampler's noise: those
-    with drafts, less the unseeded ones whose every draft position has a target distribution of at
-    most one token. There the kernel's score ``prob * inv_q`` (``prob``: the target less the draft,
-    or the target without the draft token) is positive for one token at most, so the recovered token
-    is that token (or token 0 when none is) whatever the noise: a forced token, which is what the jump
-    proposer drafts, always has such a target. Seeded requests (``seeded``: their batch rows) keep
-    their draws, so that their generators advance as in vLLM."""
+def _rows_needing_noise(num_draft_tokens: list, draft_token_ids: Any, draft_probs: Any, target_probs: Any,
+                        seeded: Any) -> list:
+    """The requests (batch rows) whose recovered tokens can be read: those with drafts, less the
+    unseeded ones whose every draft is accepted for sure. The rejection sampler accepts draft ``d`` at
+    a position when ``target[d] / draft[d] >= u`` (``draft[d]`` = 1 without draft probabilities, ``u``
+    uniform in [0, 1)) and reads the position's recovered token only on a rejection; a draft whose
+    target probability is exactly 1 (a forced token under the grammar's bitmask: what the jump proposer
+    drafts) with a positive draft probability is always accepted, so the noise of a request whose
+    drafts are all such is never used. O(drafts): one target probability per draft. Seeded requests
+    (``seeded``: their batch rows) keep their draws, so that their generators advance as in vLLM.
+    (vLLM's synthetic acceptance mode, where the target does not decide, is not supported on CPU.)"""
     import torch
 
     rows = [i for i, n in enumerate(num_draft_tokens) if n > 0]
-    if not rows or target_probs.shape[0] != sum(num_draft_tokens):
+    n = int(draft_token_ids.shape[0])
+    if not rows or n != sum(num_draft_tokens) or target_probs.shape[0] != n:
         return rows
-    wide = torch.count_nonzero(target_probs, dim=-1) > 1  # [num_tokens]: positions whose noise matters
-    if not bool(wide.any()):
+    d = draft_token_ids.to(torch.int64)
+    pos = torch.arange(n)
+    dc = d.clamp(min=0, max=target_probs.shape[1] - 1)
+    sure = (d >= 0) & (target_probs[pos, dc] == 1.0)
+    if draft_probs is not None:
+        sure &= draft_probs[pos, dc] > 0
+    if bool(sure.all()):
         return [i for i in rows if i in seeded]
     owner = torch.repeat_interleave(torch.arange(len(num_draft_tokens)), torch.tensor(num_draft_tokens))
-    needs = set(owner[wide].tolist())
+    needs = set(owner[~sure].tolist())
     return [i for i in rows if i in needs or i in seeded]
 
 
 def _recovered_tokens_for_draft_rows(rs: Any) -> Callable:
     """``rejection_sampler.sample_recovered_tokens`` (``rs``: the module) with its Gumbel noise drawn
-    only for the requests whose recovered tokens depend on it (:func:`_rows_needing_noise`: requests
-    with drafts, less those whose drafts all have one-token targets); same contract, same tokens for
-    those rows, the same distribution for the others (:func:`patch_cpu_recovered`)."""
+    only for the requests whose recovered tokens can be read (:func:`_rows_needing_noise`: requests
+    with drafts, less those whose drafts are all accepted for sure); same contract and distribution
+    for the tokens the sampler reads (:func:`patch_cpu_recovered`)."""
     import torch
 
     def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
                                 target_probs, sampling_metadata, device, use_fp64_gumbel=False):
         batch_size = len(num_draft_tokens)
         q_dtype = torch.float64 if use_fp64_gumbel else torch.float32
-        rows = _rows_needing_noise(num_draft_tokens, target_probs, sampling_metadata.generators)
-        # rows without drafts are never read by the kernel (it returns at once for them), rows of
-        # one-token targets do not depend on their values: ones
+        rows = _rows_needing_noise(num_draft_tokens, draft_token_ids, draft_probs, target_probs,
+                                   sampling_metadata.generators)
+        # rows without drafts are never read by the kernel (it returns at once for them), the recovered
+        # tokens of drafts accepted for sure are never read by the sampler: ones
         inv_q = torch.ones((batch_size, target_probs.shape[-1]), dtype=q_dtype, device=device)
         if rows:
             q = torch.empty((len(rows), target_probs.shape[-1]), dtype=q_dtype, device=device)
@@ -352,9 +362,9 @@ def patch_cpu_recovered() -> None:
     that verifies any draft (one-off, this host), the largest part of the rejection sampler's ~15 % of
     the worker's time with jumps at 64 requests, 32 at a time (py-spy, docs/vllm-integration.md caveat
     (e)). The kernel reads the noise of a request's row only at its draft positions, so the other rows
-    are left at 1, and so are the rows of unseeded requests whose drafts all have targets of one token
-    (forced tokens, the jump proposer's drafts: their recovered tokens do not depend on the noise,
-    :func:`_rows_needing_noise`); the variates of the rows it reads have the same distribution, and a
+    are left at 1, and so are the rows of unseeded requests whose drafts are all accepted for sure
+    (target probability 1: forced tokens, the jump proposer's drafts; their recovered tokens are never
+    read, :func:`_rows_needing_noise`); the variates of the rows it reads have the same distribution, and a
     seeded request's come from its own generator as before (the unseeded ones take fewer draws from the
     global generator, so they differ from vLLM's draws for the same global seed). Idempotent."""
     try:
