@@ -323,6 +323,23 @@ def _rows_needing_noise(num_draft_tokens: list, draft_token_ids: Any, draft_prob
     return [i for i in rows if i in needs or i in seeded]
 
 
+_ONES: dict = {}  # (vocabulary size, dtype, device) -> a [rows, V] tensor of ones (_ones_rows)
+
+
+def _ones_rows(n: int, V: int, dtype: Any, device: Any) -> Any:
+    """A ``[n, V]`` tensor of ones (``dtype`` on ``device``): the leading rows of a buffer kept per
+    ``(V, dtype, device)`` and grown when ``n`` exceeds it. Callers may write rows but must set them back
+    to 1 before they return (one step of a worker at a time)."""
+    import torch
+
+    key = (int(V), dtype, str(device))
+    buf = _ONES.get(key)
+    if buf is None or buf.shape[0] < n:
+        buf = _ONES[key] = torch.ones((max(n, 2 * (buf.shape[0] if buf is not None else 0), 8), V),
+                                      dtype=dtype, device=device)
+    return buf[:n]
+
+
 def _recovered_tokens_for_draft_rows(rs: Any) -> Callable:
     """``rejection_sampler.sample_recovered_tokens`` (``rs``: the module) with its Gumbel noise drawn
     only for the requests whose recovered tokens can be read (:func:`_rows_needing_noise`: requests
@@ -337,8 +354,9 @@ def _recovered_tokens_for_draft_rows(rs: Any) -> Callable:
         rows = _rows_needing_noise(num_draft_tokens, draft_token_ids, draft_probs, target_probs,
                                    sampling_metadata.generators)
         # rows without drafts are never read by the kernel (it returns at once for them), the recovered
-        # tokens of drafts accepted for sure are never read by the sampler: ones
-        inv_q = torch.ones((batch_size, target_probs.shape[-1]), dtype=q_dtype, device=device)
+        # tokens of drafts accepted for sure are never read by the sampler: ones, from a kept buffer (a
+        # fresh [batch, V] tensor each step cost ~1-3 ms of page faults in the worker, py-spy)
+        inv_q = _ones_rows(batch_size, target_probs.shape[-1], q_dtype, device)
         if rows:
             q = torch.empty((len(rows), target_probs.shape[-1]), dtype=q_dtype, device=device)
             q.exponential_()
@@ -348,8 +366,12 @@ def _recovered_tokens_for_draft_rows(rs: Any) -> Callable:
                     q[at[i]].exponential_(generator=generator)
             inv_q[rows] = q.reciprocal()
         recovered_token_ids = torch.empty_like(draft_token_ids)
-        rs._sample_recovered_tokens(recovered_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs,
-                                    target_probs, inv_q, max_spec_len=max_spec_len)
+        try:
+            rs._sample_recovered_tokens(recovered_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                        target_probs, inv_q, max_spec_len=max_spec_len)
+        finally:
+            if rows:
+                inv_q[rows] = 1.0  # (the buffer holds ones between calls)
         return recovered_token_ids
 
     return sample_recovered_tokens
