@@ -124,6 +124,10 @@ Smaller language (documented choices; valid instances outside the regex are neve
   bound or ``multipleOf``: no exponent, ``-0`` excluded; with ``multipleOf``: integers only; with an
   exclusive bound, the fraction of a number within 1 of that bound has at most 9 digits and does not
   end in ``0`` (so that rounding to a float can never reach the excluded bound).
+
+Larger than the instances in one way: keys admitted by ``patternProperties`` or ``additionalProperties``
+may repeat (a declared property appears once); the uniqueness of names drawn from an unbounded set is
+not a regular property (docs/compiler.md, "Known limits"). Parsers keep one of the values.
 """
 
 from __future__ import annotations
