@@ -759,3 +759,34 @@ def test_033_cpu_mask_apply_touch_points():
     assert "self.vllm_config" in excerpt("vllm/v1/worker/worker_base.py", "WorkerWrapperBase.init_device")
     assert _lines("vllm/v1/worker/gpu_model_runner.py", "apply_grammar_bitmask") == [
         "from vllm.v1.structured_output.utils import apply_grammar_bitmask", "apply_grammar_bitmask("]
+
+
+def test_033_keeps_what_the_engine_core_sleeping_wait_relies_on():
+    """``patches._patch_engine_waits`` on 0.33: the engine core builds its executor before the
+    structured-output manager (whose start-up installs the patch); ``MultiprocExecutor.collective_rpc``
+    (wrapped) reads the executor's ``response_mqs``, which hold the reply queues; each queue's reader has
+    a ``SpinCondition`` whose ``wait`` busy-loops only within ``busy_loop_s`` of the last read and
+    otherwise polls its notification socket (sleeps): the same ``wait`` as 0.32's (the installed source)."""
+    import textwrap
+
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    core = _lines("vllm/v1/engine/core.py", "model_executor")
+    assert core.index("self.model_executor = executor_class(vllm_config)") < core.index(
+        "self.structured_output_manager = StructuredOutputManager(vllm_config)")
+    assert "self.response_mqs.append(local_message_queue)" in _lines("vllm/v1/executor/multiproc_executor.py",
+                                                                      "response_mqs")
+    assert "self._spin_condition = SpinCondition(" in _lines(
+        "vllm/distributed/device_communicators/shm_broadcast.py", "_spin_condition")
+    rpc = excerpt("vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor.collective_rpc")
+    assert "self.response_mqs" in rpc
+    installed = getattr(MultiprocExecutor.collective_rpc, "__fst_original__", MultiprocExecutor.collective_rpc)
+    assert params(def_node(rpc))[:2] == params(def_node(textwrap.dedent(inspect.getsource(installed))))[:2] == [
+        "self", "method"]
+    init = excerpt("vllm/distributed/device_communicators/shm_broadcast.py", "SpinCondition.__init__")
+    assert "self.is_reader = is_reader" in init and "self.busy_loop_s = busy_loop_s" in init
+    wait = excerpt("vllm/distributed/device_communicators/shm_broadcast.py", "SpinCondition.wait")
+    assert ast.dump(def_node(wait)) == ast.dump(def_node(textwrap.dedent(inspect.getsource(
+        shm_broadcast.SpinCondition.wait))))  # the same code as the installed 0.32's
+    assert "self.last_read + self.busy_loop_s" in wait and "self.poller.poll(" in wait

@@ -508,6 +508,8 @@ def test_compile_time_and_forced_tokens_visible(server, eos_ids):
     # the worker applies the bitmasks itself (vllm/patches._patch_cpu_mask_apply), on bfloat16 logits
     assert "fst: bitmasks applied to the CPU logits in their own dtype" in log
     assert re.search(r"fst: first bitmask applied to torch\.bfloat16 logits \(\d+, 49152\)", log)
+    # the engine core waits for the worker's replies with short sleeps (vllm/patches._patch_engine_waits)
+    assert re.search(r"fst: the engine core waits for 1 worker reply queue\(s\) with [0-9.]+ ms sleeps", log)
     assert f"loaded tokenizer artifacts {server.artifacts}" in log  # the session build, no auto-build
     assert "building tokenizer artifacts" not in log
 

@@ -1245,3 +1245,73 @@ def test_bench_tools_required_schema_is_vllms():
               ("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}})]
     tools = [ChatCompletionToolsParam(type="function", function={"name": n, "parameters": p}) for n, p in params]
     assert get_json_schema_from_tools("required", tools) == tools_required_schema(params)
+
+
+def test_engine_core_waits_for_worker_replies_with_sleeps(monkeypatch):
+    """``patches._patch_engine_waits``: at the executor's first RPC its reply queues' readers (vLLM's
+    real ``SpinCondition``) sleep ``ENGINE_POLL_S`` per look while replies come often, where vLLM's
+    returned at once (``sched_yield``), and keep vLLM's idle path (asleep until notified or timed out)
+    after ``busy_loop_s``; the RPC itself is unchanged; ``VLLM_FST_ENGINE_SPIN=1`` leaves vLLM's busy
+    wait; nothing happens (nothing imported) without the executor module."""
+    import sys
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    ctx = zmq.Context()
+    addr = get_open_zmq_ipc_path()
+    writer = SpinCondition(is_reader=False, context=ctx, notify_address=addr)
+    reader = SpinCondition(is_reader=True, context=ctx, notify_address=addr)
+
+    def looks(n=200):
+        """Seconds for ``n`` waits right after a read."""
+        reader.record_read()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            reader.wait(timeout_ms=300)
+        return time.perf_counter() - t0
+
+    assert looks() < 0.02  # vLLM's busy loop: each wait yields and returns at once
+
+    def executor_module():
+        class MultiprocExecutor:
+            def __init__(self, mqs):
+                self.response_mqs = mqs
+
+            def collective_rpc(self, method, *args, **kwargs):
+                return (method, args)
+
+        mod = types.ModuleType("vllm.v1.executor.multiproc_executor")
+        mod.MultiprocExecutor = MultiprocExecutor
+        return mod
+
+    monkeypatch.delitem(sys.modules, "vllm.v1.executor.multiproc_executor", raising=False)
+    patches._patch_engine_waits()  # (no executor module in this process: nothing to do, nothing imported)
+    assert "vllm.v1.executor.multiproc_executor" not in sys.modules
+
+    mod = executor_module()
+    monkeypatch.setitem(sys.modules, "vllm.v1.executor.multiproc_executor", mod)
+    monkeypatch.setenv("VLLM_FST_ENGINE_SPIN", "1")
+    patches._patch_engine_waits()
+    mod.MultiprocExecutor([types.SimpleNamespace(_spin_condition=reader)]).collective_rpc("sample_tokens")
+    assert looks() < 0.02  # vLLM's busy wait kept
+
+    mod = executor_module()
+    monkeypatch.setitem(sys.modules, "vllm.v1.executor.multiproc_executor", mod)
+    monkeypatch.delenv("VLLM_FST_ENGINE_SPIN")
+    patches._patch_engine_waits()
+    ex = mod.MultiprocExecutor([types.SimpleNamespace(_spin_condition=reader), types.SimpleNamespace()])
+    assert ex.collective_rpc("sample_tokens", 1) == ("sample_tokens", (1,))
+    ex.collective_rpc("sample_tokens", 2)  # (set up once)
+    assert getattr(reader.wait, "__fst_wrapped__", False) and reader.busy_loop_s == 1
+    assert looks() > 200 * patches.ENGINE_POLL_S  # sleeps between looks at the queue
+    reader.last_read = time.monotonic() - 2  # idle for over busy_loop_s: vLLM's own wait, in the poll
+    t0 = time.perf_counter()
+    reader.wait(timeout_ms=300)
+    assert time.perf_counter() - t0 > 0.2  # asleep until the timeout
+    writer.notify()
+    t0 = time.perf_counter()
+    reader.wait(timeout_ms=3000)  # a write notification wakes it
+    assert time.perf_counter() - t0 < 1.0
+    ctx.destroy(linger=0)

@@ -33,6 +33,79 @@ def _wrap(owner: Any, attr: str, make: Callable[[Any], Callable]) -> None:
     _PATCHES.append((owner, attr, orig))
 
 
+#: seconds the engine core sleeps between two looks at a worker's reply queue while replies come often
+ENGINE_POLL_S = 0.00025
+
+
+def _sleeping_wait(sc: Any) -> Callable:
+    """``SpinCondition.wait`` of the reader ``sc`` with its busy loop's ``sched_yield`` replaced by a
+    sleep of :data:`ENGINE_POLL_S`: the caller (``MessageQueue.acquire_read``) looks at the shared
+    memory again after each return, so a reply is seen at most that much later, and no wake-up can be
+    missed (the queue itself is read, not a notification). Past ``busy_loop_s`` without a read the
+    original wait runs (vLLM's idle path: asleep in the notification socket's poll)."""
+    import time as _time
+
+    orig = sc.wait
+
+    def wait(timeout_ms=None):
+        if _time.monotonic() <= sc.last_read + sc.busy_loop_s:
+            _time.sleep(ENGINE_POLL_S)
+        else:
+            orig(timeout_ms=timeout_ms)
+
+    wait.__fst_wrapped__ = True  # type: ignore[attr-defined]
+    return wait
+
+
+def _patch_engine_waits() -> None:
+    """In an engine core serving fst on CPU, wait for the workers' replies with short sleeps instead of
+    spinning.
+
+    vLLM's ``MessageQueue`` reader spins (``sched_yield`` in a Python loop) for a second after each
+    read (``SpinCondition.busy_loop_s``), so the engine core keeps a CPU busy for the whole of every
+    model step while it waits for the worker's output (py-spy of the engine core during the serving
+    workload: ~95 % of its main thread in that wait). On a small CPU host the model's worker holds its
+    own cores and the engine core, the API server and fst's compile processes share the rest: the
+    spinning engine core takes CPU time from the compiles that new requests wait for. The reply
+    queues' readers sleep :data:`ENGINE_POLL_S` between looks instead (:func:`_sleeping_wait`; a reply
+    is seen up to ~0.3 ms later). Not vLLM's idle path (``busy_loop_s`` 0: asleep until the writer's
+    zmq notification): notifications got lost there, and a step then waited 5 s for the reader's
+    recheck (one-off A/B on this host, server log). Called from the engine core (the manager's
+    start-up, after the executor is built); a no-op without a multiprocess executor, on other
+    platforms, or with ``VLLM_FST_ENGINE_SPIN=1``. Patches ``MultiprocExecutor.collective_rpc`` to set
+    it up on the executor's reply queues at its first call (the executor exists before the manager; the
+    module is not imported here when it is not already)."""
+    if env_flag("VLLM_FST_ENGINE_SPIN", False):
+        return
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # pragma: no cover
+        return
+    mpe = sys.modules.get("vllm.v1.executor.multiproc_executor")
+    if mpe is None or not current_platform.is_cpu() or not hasattr(mpe, "MultiprocExecutor"):
+        return
+
+    def make(orig):
+        def collective_rpc(self, *args, **kwargs):
+            if not getattr(self, "_fst_sleep_waits", False):
+                self._fst_sleep_waits = True
+                n = 0
+                for mq in getattr(self, "response_mqs", None) or ():
+                    sc = getattr(mq, "_spin_condition", None)
+                    if (sc is not None and getattr(sc, "is_reader", False) and hasattr(sc, "busy_loop_s")
+                            and hasattr(sc, "last_read") and not getattr(sc.wait, "__fst_wrapped__", False)):
+                        sc.wait = _sleeping_wait(sc)
+                        n += 1
+                if n:
+                    logger.info("fst: the engine core waits for %d worker reply queue(s) with %.2f ms sleeps "
+                                "(VLLM_FST_ENGINE_SPIN=1: vLLM's busy wait)", n, 1e3 * ENGINE_POLL_S)
+            return orig(self, *args, **kwargs)
+
+        return collective_rpc
+
+    _wrap(mpe.MultiprocExecutor, "collective_rpc", make)
+
+
 def _patch_config_literal(so_mod: Any = None) -> None:
     """Add "fst" to ``StructuredOutputsBackend`` (``so_mod``: tests pass vLLM 0.33's module, vendored)."""
     import typing
@@ -107,6 +180,7 @@ def _patch_manager(manager_cls: Any = None) -> None:
             ):
                 # Eager: load (or build) the artifacts at engine start-up; fail the start clearly.
                 _install_fst_backend(self, vllm_config)
+                _patch_engine_waits()
 
         return __init__
 

@@ -79,6 +79,9 @@ EXCERPTS = [
     ("vllm/plugins/__init__.py", "load_general_plugins"),
     ("vllm/v1/worker/worker_base.py", "WorkerWrapperBase.init_worker"),
     ("vllm/v1/worker/worker_base.py", "WorkerWrapperBase.init_device"),
+    ("vllm/distributed/device_communicators/shm_broadcast.py", "SpinCondition.__init__"),
+    ("vllm/distributed/device_communicators/shm_broadcast.py", "SpinCondition.wait"),
+    ("vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor.collective_rpc"),
 ]
 
 # (file, regex): every matching line, verbatim (for code inside very long functions).
@@ -93,6 +96,9 @@ LINE_PATTERNS = [
      r"|del req_state\.output_token_ids\[num_output_tokens:\]"),
     ("vllm/platforms/cpu.py", r"async_scheduling = False"),
     ("vllm/v1/worker/gpu_model_runner.py", r"apply_grammar_bitmask"),
+    ("vllm/v1/executor/multiproc_executor.py", r"self\.response_mqs( = |\.append\()"),
+    ("vllm/v1/engine/core.py", r"self\.model_executor = executor_class|self\.structured_output_manager = "),
+    ("vllm/distributed/device_communicators/shm_broadcast.py", r"self\._spin_condition = SpinCondition\("),
 ]
 
 
