@@ -28,6 +28,22 @@ def script_command(script: str, argv=None) -> str:
     return ("python scripts/" + script + " " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
 
 
+def step_bench_args(doc: str, argv, steps: int):
+    """The arguments of the per-step CPU benchmarks (bench_mask_apply, bench_recovered_tokens), parsed from
+    ``argv``: ``--batch`` (requests per step, comma-separated), ``--steps`` (of each random walk, default
+    ``steps``), ``--repeats`` (timings per step, the best counts), ``--seed``, ``--no-write``. ``doc``: the
+    script's docstring (its first line is the description)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--batch", default="8,32", help="requests per step (comma-separated)")
+    ap.add_argument("--steps", type=int, default=steps, help="steps of each random walk")
+    ap.add_argument("--repeats", type=int, default=3, help="timings per step (the best counts)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-write", action="store_true", help="print only; do not touch docs/benchmarks.md")
+    return ap.parse_args(argv)
+
+
 def report_section(title: str, script: str, argv, body: str, note: str, write: bool) -> None:
     """Print ``note``; with ``write``, replace section ``title`` of docs/benchmarks.md with the script's
     command (:func:`script_command`), ``body`` and ``note``."""

@@ -20,7 +20,6 @@ Usage: python scripts/bench_mask_apply.py [--batch 8,32] [--steps 60] [--repeats
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -128,13 +127,9 @@ def word_shares(masks) -> tuple[float, float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", default="8,32", help="requests per step (comma-separated)")
-    ap.add_argument("--steps", type=int, default=60, help="steps of each random walk")
-    ap.add_argument("--repeats", type=int, default=3, help="timings per step (the best counts)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-write", action="store_true", help="print only; do not touch docs/benchmarks.md")
-    args = ap.parse_args(argv)
+    from scripts.bench_common import step_bench_args
+
+    args = step_bench_args(__doc__, argv, steps=60)
 
     from scripts.bench_compile_serving import serving_constraints
     from vllm_fst_backend.artifacts.build import build_artifacts, default_name

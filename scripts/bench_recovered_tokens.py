@@ -19,7 +19,6 @@ Usage: python scripts/bench_recovered_tokens.py [--batch 8,32] [--steps 40] [--r
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -91,13 +90,9 @@ def time_step(fn, counts, cu, draft, probs, repeats: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", default="8,32", help="requests per step (comma-separated)")
-    ap.add_argument("--steps", type=int, default=40, help="steps of each random walk")
-    ap.add_argument("--repeats", type=int, default=3, help="timings per step (the best counts)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-write", action="store_true", help="print only; do not touch docs/benchmarks.md")
-    args = ap.parse_args(argv)
+    from scripts.bench_common import step_bench_args
+
+    args = step_bench_args(__doc__, argv, steps=40)
 
     import vllm.v1.sample.rejection_sampler as rs
     from vllm.utils import cpu_triton_utils

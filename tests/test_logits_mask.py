@@ -167,12 +167,9 @@ def _recovered_inputs(num_draft, V=6, seed=0):
     return cu, draft, probs
 
 
-def test_recovered_tokens_drawn_for_draft_rows_only_keep_their_distribution(monkeypatch):
-    """``patches.patch_cpu_recovered``: noise only for the requests with drafts; the recovered tokens
-    (drafts rejected: target less draft, renormalized) keep their distribution, seeded requests keep
-    their generator's draws. The kernel is vLLM's CPU one (a CPU worker rebinds the Triton kernel to it)."""
-    import types
-
+def _recovered_functions(monkeypatch):
+    """``(ours, vLLM's)`` ``sample_recovered_tokens`` with vLLM's CPU kernel bound (as a CPU worker binds the
+    Triton kernel: ``vllm/platforms/cpu.py``)."""
     pytest.importorskip("vllm")
     import vllm.v1.sample.rejection_sampler as rs
     from vllm.utils import cpu_triton_utils
@@ -184,9 +181,17 @@ def test_recovered_tokens_drawn_for_draft_rows_only_keep_their_distribution(monk
                                                               target_probs.shape[1], NO_DRAFT_PROBS=draft_probs is None)
 
     monkeypatch.setattr(rs, "_sample_recovered_tokens", cpu_kernel)
+    return (patches._recovered_tokens_for_draft_rows(rs),
+            getattr(rs.sample_recovered_tokens, "__fst_original__", rs.sample_recovered_tokens))
 
-    ours = patches._recovered_tokens_for_draft_rows(rs)
-    orig = getattr(rs.sample_recovered_tokens, "__fst_original__", rs.sample_recovered_tokens)
+
+def test_recovered_tokens_drawn_for_draft_rows_only_keep_their_distribution(monkeypatch):
+    """``patches.patch_cpu_recovered``: noise only for the requests with drafts; the recovered tokens
+    (drafts rejected: target less draft, renormalized) keep their distribution, seeded requests keep
+    their generator's draws. The kernel is vLLM's CPU one (a CPU worker rebinds the Triton kernel to it)."""
+    import types
+
+    ours, orig = _recovered_functions(monkeypatch)
     num_draft = [0, 2, 0, 1, 0, 0]
     cu, draft, probs = _recovered_inputs(num_draft)
     meta = types.SimpleNamespace(generators={})
@@ -220,19 +225,11 @@ def test_recovered_tokens_of_drafts_accepted_for_sure_need_no_noise(monkeypatch)
     of a wider target still draws (in the same batch)."""
     import types
 
-    pytest.importorskip("vllm")
-    import vllm.v1.sample.rejection_sampler as rs
     from vllm.utils import cpu_triton_utils
 
     from vllm_fst_backend.vllm import patches
 
-    def cpu_kernel(out, cu, draft, draft_probs, target_probs, inv_q, *, max_spec_len):
-        cpu_triton_utils._sample_recovered_tokens_kernel_impl(out, cu, draft, draft_probs, target_probs, inv_q,
-                                                              target_probs.shape[1], NO_DRAFT_PROBS=draft_probs is None)
-
-    monkeypatch.setattr(rs, "_sample_recovered_tokens", cpu_kernel)
-    ours = patches._recovered_tokens_for_draft_rows(rs)
-    orig = getattr(rs.sample_recovered_tokens, "__fst_original__", rs.sample_recovered_tokens)
+    ours, orig = _recovered_functions(monkeypatch)
     V, K = 1000, 3
     num_draft = [0, 3, 1, 0, 2]
     B, n = len(num_draft), sum(num_draft)
