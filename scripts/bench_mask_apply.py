@@ -62,14 +62,19 @@ def _walk(n: int, alloc, fill, done, accept, stop: set, V: int, steps: int, seed
     return out
 
 
-def fst_masks(cases, arts, steps: int, seed: int) -> list[np.ndarray]:
-    """:func:`_walk` of fst's matchers (canonical mode), one per case."""
+def fst_matchers(cases, arts) -> list:
+    """One fst matcher (canonical mode) per serving case ``(name, kind, spec)``."""
     from scripts.bench_compile_serving import fst_regex
     from vllm_fst_backend.compiler import CompileOptions, compile_regex
     from vllm_fst_backend.runtime import FstMatcher
 
-    ms = [FstMatcher(compile_regex(fst_regex(kind, spec), arts, CompileOptions(canonical=True)))
-          for _, kind, spec in cases]
+    return [FstMatcher(compile_regex(fst_regex(kind, spec), arts, CompileOptions(canonical=True)))
+            for _, kind, spec in cases]
+
+
+def fst_masks(cases, arts, steps: int, seed: int) -> list[np.ndarray]:
+    """:func:`_walk` of fst's matchers (:func:`fst_matchers`)."""
+    ms = fst_matchers(cases, arts)
     W = ms[0].compiled.num_words
     return _walk(len(ms), lambda: torch.full((len(ms), W), -1, dtype=torch.int32), lambda bm, i: ms[i].fill_bitmask(bm, i),
                  lambda i: ms[i].is_terminated(), lambda i, t: ms[i].accept_tokens("r", [t]), set(ms[0].eos_ids),

@@ -19,7 +19,6 @@ Usage: python scripts/bench_recovered_tokens.py [--batch 8,32] [--steps 40] [--r
 
 from __future__ import annotations
 
-import random
 import statistics
 import sys
 import time
@@ -39,27 +38,24 @@ MAX_DRAFTS = 8
 
 def draft_counts(cases, arts, steps: int, seed: int) -> list[list[int]]:
     """Per step, the number of drafts of each request: the length of its matcher's forced-token chain
-    (at most :data:`MAX_DRAFTS`; 0 once finished) along a random walk (tokens picked as bench_compile's
-    walks pick them)."""
-    from scripts.bench_compile import _ids, _pick
-    from vllm_fst_backend.compiler import compile_regex
-    from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
-    from vllm_fst_backend.runtime.matcher import FstMatcher
+    (at most :data:`MAX_DRAFTS`; 0 once finished) along the random walks of ``bench_mask_apply``
+    (:func:`~scripts.bench_mask_apply._walk` of :func:`~scripts.bench_mask_apply.fst_matchers`)."""
+    from scripts.bench_mask_apply import _walk, fst_matchers
 
-    W = (int(arts.vocab_size) + 31) // 32
-    ms = [FstMatcher(compile_regex(json_schema_to_regex(spec) if kind == "json" else spec, arts))
-          for _, kind, spec in cases]
-    eos = np.asarray(sorted(int(e) for e in arts.eos_ids))
-    rnd = random.Random(seed)
-    bm = torch.zeros((1, W), dtype=torch.int32)
-    out = []
-    for _ in range(steps):
-        out.append([0 if m.is_terminated() else len(m.forced_tokens(MAX_DRAFTS)) for m in ms])
-        for m in ms:
-            if m.is_terminated():
-                continue
-            m.fill_bitmask(bm, 0)
-            m.accept_tokens("r", [_pick(_ids(bm[0])[: int(arts.vocab_size)], eos, rnd)])
+    ms = fst_matchers(cases, arts)
+    W = ms[0].compiled.num_words
+    out: list[list[int]] = []
+
+    def alloc():  # (a step starts: a finished request drafts nothing)
+        out.append([0] * len(ms))
+        return torch.full((len(ms), W), -1, dtype=torch.int32)
+
+    def fill(bm, i):
+        out[-1][i] = len(ms[i].forced_tokens(MAX_DRAFTS))
+        ms[i].fill_bitmask(bm, i)
+
+    _walk(len(ms), alloc, fill, lambda i: ms[i].is_terminated(), lambda i, t: ms[i].accept_tokens("r", [t]),
+          set(ms[0].eos_ids), int(arts.vocab_size), steps, seed)
     return out
 
 

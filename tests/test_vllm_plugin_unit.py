@@ -1256,6 +1256,7 @@ def test_engine_core_waits_for_worker_replies_with_sleeps(monkeypatch):
     import sys
 
     import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     from vllm.utils.network_utils import get_open_zmq_ipc_path
 
@@ -1264,15 +1265,19 @@ def test_engine_core_waits_for_worker_replies_with_sleeps(monkeypatch):
     writer = SpinCondition(is_reader=False, context=ctx, notify_address=addr)
     reader = SpinCondition(is_reader=True, context=ctx, notify_address=addr)
 
-    def looks(n=200):
-        """Seconds for ``n`` waits right after a read."""
-        reader.record_read()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            reader.wait(timeout_ms=300)
-        return time.perf_counter() - t0
+    def looks(n=50):
+        """What ``n`` waits right after a read do: ``"yield"`` (vLLM's ``sched_yield``) or the seconds
+        slept, recorded instead of done (no timing: a loaded host would not change the answer)."""
+        calls = []
+        with monkeypatch.context() as m:
+            m.setattr(shm_broadcast, "sched_yield", lambda: calls.append("yield"))
+            m.setattr(time, "sleep", calls.append)
+            reader.record_read()
+            for _ in range(n):
+                reader.wait(timeout_ms=300)
+        return calls
 
-    assert looks() < 0.02  # vLLM's busy loop: each wait yields and returns at once
+    assert looks() == ["yield"] * 50  # vLLM's busy loop: each wait yields and returns
 
     def executor_module():
         class MultiprocExecutor:
@@ -1295,7 +1300,7 @@ def test_engine_core_waits_for_worker_replies_with_sleeps(monkeypatch):
     monkeypatch.setenv("VLLM_FST_ENGINE_SPIN", "1")
     patches._patch_engine_waits()
     mod.MultiprocExecutor([types.SimpleNamespace(_spin_condition=reader)]).collective_rpc("sample_tokens")
-    assert looks() < 0.02  # vLLM's busy wait kept
+    assert looks() == ["yield"] * 50  # vLLM's busy wait kept
 
     mod = executor_module()
     monkeypatch.setitem(sys.modules, "vllm.v1.executor.multiproc_executor", mod)
@@ -1305,7 +1310,7 @@ def test_engine_core_waits_for_worker_replies_with_sleeps(monkeypatch):
     assert ex.collective_rpc("sample_tokens", 1) == ("sample_tokens", (1,))
     ex.collective_rpc("sample_tokens", 2)  # (set up once)
     assert getattr(reader.wait, "__fst_wrapped__", False) and reader.busy_loop_s == 1
-    assert looks() > 200 * patches.ENGINE_POLL_S  # sleeps between looks at the queue
+    assert looks() == [patches.ENGINE_POLL_S] * 50  # sleeps between looks at the queue, no yield
     reader.last_read = time.monotonic() - 2  # idle for over busy_loop_s: vLLM's own wait, in the poll
     t0 = time.perf_counter()
     reader.wait(timeout_ms=300)
