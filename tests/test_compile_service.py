@@ -232,6 +232,44 @@ def test_service_returns_named_errors(service):
     assert service.check("CHOICE", ["x", "y"], budget_s=10).regex == "(x|y)"
 
 
+def _priorities(svc) -> list[int]:
+    import os
+
+    with svc._cond:
+        pids = [w.proc.pid for w in svc._idle]
+    return [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids]
+
+
+def test_compile_processes_run_at_a_lower_cpu_priority(service, smol, monkeypatch):
+    """The children take the CPU the model, the engine core and the API server leave (``nice`` +10 by
+    default, ``$VLLM_FST_COMPILE_NICE``; 0 keeps the parent's priority); a malformed setting is a named
+    error at start-up."""
+    import os
+
+    from vllm_fst_backend.compiler.service import CompileService, nice_from_env
+    from vllm_fst_backend.errors import InvalidOptionError
+
+    assert service.check("REGEX", "(on|off)", budget_s=30).regex == "(on|off)"
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    prios = _priorities(service)
+    assert len(prios) == 2 and prios == [min(mine + 10, 19)] * 2
+    monkeypatch.setenv("VLLM_FST_COMPILE_NICE", "0")
+    assert nice_from_env() == 0
+    d, _, tok = smol
+    svc = CompileService(d, str(tok), workers=1, quick_workers=0)
+    try:
+        assert svc.check("REGEX", "(up|down)", budget_s=30).regex == "(up|down)"
+        assert _priorities(svc) == [mine]
+    finally:
+        svc.close()
+    for bad in ("20", "-1", "low"):
+        monkeypatch.setenv("VLLM_FST_COMPILE_NICE", bad)
+        with pytest.raises(InvalidOptionError, match="VLLM_FST_COMPILE_NICE"):
+            CompileService(d, str(tok), workers=1)
+    with pytest.raises(InvalidOptionError, match="nice"):
+        CompileService(d, str(tok), workers=1, nice=25)
+
+
 def test_service_memory_and_time_budgets_stop_the_process(smol):
     from vllm_fst_backend.compiler.service import CompileService
 

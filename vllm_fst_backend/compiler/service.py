@@ -33,7 +33,12 @@ requests one at a time each:
   where one after the other (shortest first) most finish sooner. A burst of 8 new schemas at 2 CPUs
   showed it (docs/benchmarks.md, serving);
 * a free process is taken most-recently-used first: a compile reuses the dead-end verdicts of the
-  compiles before it in the same process (:mod:`.verdict_cache`), so the work goes where they are.
+  compiles before it in the same process (:mod:`.verdict_cache`), so the work goes where they are;
+* the processes run at a lower CPU priority than their parent (``nice`` +10,
+  ``$VLLM_FST_COMPILE_NICE``): on a host whose CPUs the model, the engine core and the API server also
+  need, a burst of compiles took CPU from the API server's event loop (``/health`` answers) and from the
+  engine core's steps; at a lower priority they take what those leave (docs/benchmarks.md, "Serving
+  workload", the compile processes' priority).
 
 Wire format (both directions): 8-byte little-endian length + pickle. Request: dict with ``kind``,
 ``spec``, ``whitespace_pattern``, ``options`` (:class:`~.options.CompileOptions`), ``budget_s``.
@@ -59,8 +64,8 @@ from typing import Any
 from .. import errors as _errors
 from ..errors import CompileBudgetError, CompileMemoryError, CompileServiceError
 
-__all__ = ["CompileService", "memory_budget_from_env", "CheckResult", "cost_hint", "default_parallel", "LIGHT_COST",
-           "QUICK_COST", "STALL_S", "settle_heap"]
+__all__ = ["CompileService", "memory_budget_from_env", "nice_from_env", "CheckResult", "cost_hint", "default_parallel",
+           "LIGHT_COST", "QUICK_COST", "STALL_S", "DEFAULT_NICE", "settle_heap"]
 
 _LEN = struct.Struct("<Q")
 _POLL_S = 0.02
@@ -72,6 +77,7 @@ _JSON_BOUND = re.compile(r'"(?:maxLength|maxItems|maxProperties|maxContains)"\s*
 LIGHT_COST = 800  # cost_hint at or below which a constraint is "light" (compiles in ~<100 ms at SmolLM2)
 QUICK_COST = 450  # a regex or choice list at or below: "quick" (compiles in ~2-4 ms at SmolLM2, isolated)
 STALL_S = 0.25  # a compile running longer no longer holds back the next one (CompileService, parallel)
+DEFAULT_NICE = 10  # the compile processes' nice increment over their parent's (module docstring)
 
 
 def default_parallel() -> int:
@@ -115,6 +121,23 @@ def memory_budget_from_env() -> int:
     if not mb > 0:
         raise _errors.InvalidOptionError(f"VLLM_FST_COMPILE_MEMORY_MB must be a positive number, got {raw!r}")
     return int(mb * (1 << 20))
+
+
+def nice_from_env() -> int:
+    """``$VLLM_FST_COMPILE_NICE``: how much lower than their parent's the compile processes' CPU priority
+    is (a ``nice`` increment, 0-19; default :data:`DEFAULT_NICE`; 0 keeps the parent's priority).
+
+    Raises:
+        InvalidOptionError: not an integer from 0 to 19.
+    """
+    raw = os.environ.get("VLLM_FST_COMPILE_NICE", "").strip()
+    try:
+        n = int(raw) if raw else DEFAULT_NICE
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        raise _errors.InvalidOptionError(f"VLLM_FST_COMPILE_NICE must be an integer from 0 to 19, got {raw!r}")
+    return n
 
 
 def _private_bytes(pid: int) -> int:
@@ -260,12 +283,19 @@ class CompileService:
             choice, cost at most ``quick_cost``); quick ones may take any free process.
         parallel: constraints that are not quick compiling at once, not counting those running longer
             than ``stall_s`` seconds (module docstring, scheduling); default :func:`default_parallel`.
+        nice: the children's ``nice`` increment over this process's priority (0-19); default
+            :func:`nice_from_env`.
+
+    Raises:
+        InvalidOptionError: ``$VLLM_FST_COMPILE_MEMORY_MB`` or ``$VLLM_FST_COMPILE_NICE`` malformed, or
+            ``nice`` outside 0-19.
     """
 
     def __init__(self, artifacts_dir: str | os.PathLike, tokenizer_path: str | None = None, *, workers: int = 3,
                  memory_budget_bytes: int | None = None, deadline_margin_s: float = 2.0,
                  start_timeout_s: float = 120.0, light_cost: int = LIGHT_COST, quick_workers: int = 1,
-                 quick_cost: int = QUICK_COST, parallel: int | None = None, stall_s: float = STALL_S):
+                 quick_cost: int = QUICK_COST, parallel: int | None = None, stall_s: float = STALL_S,
+                 nice: int | None = None):
         self.artifacts_dir = str(artifacts_dir)
         self.tokenizer_path = tokenizer_path
         self.n_general = max(1, int(workers))  # processes the constraints that are not quick may hold
@@ -278,6 +308,9 @@ class CompileService:
         self.heavy_cap = max(1, self.n_general - 1)  # processes heavy constraints may hold at once
         self.parallel = max(1, min(self.n_general, int(parallel if parallel is not None else default_parallel())))
         self.stall_s = float(stall_s)
+        self.nice = nice_from_env() if nice is None else int(nice)
+        if not 0 <= self.nice <= 19:
+            raise _errors.InvalidOptionError(f"nice must be from 0 to 19, got {nice!r}")
         self._running: dict[int, float] = {}  # ticket -> start (monotonic s) of each compile not quick
         self._idle: deque[_Worker] = deque()
         self._n_live = 0
@@ -292,6 +325,8 @@ class CompileService:
         cmd = [sys.executable, "-m", "vllm_fst_backend.compiler.service", "--artifacts", self.artifacts_dir]
         if self.tokenizer_path:
             cmd += ["--tokenizer", str(self.tokenizer_path)]
+        if self.nice:
+            cmd += ["--nice", str(self.nice)]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         return _Worker(cmd, env, self.start_timeout_s)
@@ -493,7 +528,9 @@ def _settle_when_idle(stdin, served: int) -> None:
     settle_heap(unfreeze=served % REFREEZE_EVERY == 0)
 
 
-def _serve(artifacts_dir: str, tokenizer_path: str | None) -> int:
+def _serve(artifacts_dir: str, tokenizer_path: str | None, nice: int = 0) -> int:
+    if nice:
+        os.nice(nice)  # an increment: always allowed
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # stray prints must not corrupt the pipe
     from ..artifacts.store import load_artifacts
@@ -544,8 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="fst isolated compile process (started by CompileService)")
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
     a = ap.parse_args(argv)
-    return _serve(a.artifacts, a.tokenizer)
+    return _serve(a.artifacts, a.tokenizer, a.nice)
 
 
 if __name__ == "__main__":
