@@ -25,7 +25,8 @@ Enforced exactly:
   top-level alternative has its own ``^`` / ``$``, also inside a group that is the whole alternative);
   ``format`` ``date`` (month lengths, Feb 29 only in leap years, years 0001-9999), ``time`` and ``date-time`` (RFC 3339 with a required offset; enforced even
   where ``jsonschema`` lacks its optional RFC 3339 checker), ``uuid``, ``ipv4`` (octets 0-255, no leading
-  zeros), ``email`` (a dot-atom subset of what ``jsonschema`` accepts), ``uri`` / ``uri-reference`` /
+  zeros), ``ipv6`` (every form ``ipaddress`` reads, ``::`` and IPv4 tails included, no zone index),
+  ``email`` (a dot-atom subset of what ``jsonschema`` accepts), ``uri`` / ``uri-reference`` /
   ``iri`` / ``iri-reference`` (an RFC 3986 subset, below); ``pattern`` or ``format``
   together with a length bound only when every match satisfies the bound, or the pattern is one repeated
   character class anchored at both ends (``^[^,]+$``: the bounds go into its repetition);
@@ -74,7 +75,7 @@ anchor (``"#name"``).
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
 (other than ``false``), ``if``, ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
-non-integer number bounds, other ``format`` values a draft defines (``hostname``, ``ipv6``, ``duration``,
+non-integer number bounds, other ``format`` values a draft defines (``hostname``, ``duration``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
 and Python meanings differ or that our parser lacks (``\\W``, ``(?...)`` other than ``(?:``, ``{,n}``,
 ``[]``, lookaround, backreferences, ``\\b``, ``\\p{..}``, ``\\D`` / ``\\S`` inside a class), ``pattern``
@@ -477,6 +478,27 @@ _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
 _PCHAR = r"([A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"
 _URI = (rf"[A-Za-z][A-Za-z0-9+.-]*://[A-Za-z0-9._~!$&'()*+,;=-]*(:[0-9]*)?(/{_PCHAR}*)*(\?({_PCHAR}|[/?])*)?"
         rf"(#({_PCHAR}|[/?])*)?")
+_H16 = _HEX + "{1,4}"
+_IPV4 = rf"{_OCTET}(\.{_OCTET}){{3}}"
+
+
+def _ipv6_regex() -> str:
+    """The text forms of an IPv6 address (RFC 4291 §2.2) exactly as Python's ``ipaddress.IPv6Address``
+    reads them, less a zone index (``%eth0``, which ``jsonschema``'s ``ipv6`` check refuses): 8 groups of 1-4
+    hex digits; 6 groups and a dotted IPv4 address (no leading zeros, as ``IPv4Address`` reads it); or
+    ``::`` for at least one group, with L groups before it and R after it, L + R ≤ 7, or L + R ≤ 5 before
+    an IPv4 tail (which counts two groups). One alternative per L, so the automaton stays small (~70
+    character states)."""
+    alts = [rf"({_H16}:){{7}}{_H16}", rf"({_H16}:){{6}}{_IPV4}"]
+    for left in range(8):
+        lhs = "" if left == 0 else _H16 + (rf"(:{_H16}){{{left - 1}}}" if left > 1 else "")
+        right = 7 - left  # at most this many groups after "::"
+        alts.append(lhs + "::" + (rf"({_H16}(:{_H16}){{0,{right - 1}}})?" if right else ""))
+        if left <= 5:
+            alts.append(lhs + "::" + rf"({_H16}:){{0,{5 - left}}}" + _IPV4)
+    return "(" + "|".join(alts) + ")"
+
+
 _FORMATS = {
     "uri": _URI,
     "uri-reference": _URI,  # (a URI is a URI reference)
@@ -486,7 +508,8 @@ _FORMATS = {
     "time": _TIME,
     "date-time": _DATE + "T" + _TIME,
     "uuid": rf"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
-    "ipv4": rf"{_OCTET}(\.{_OCTET}){{3}}",
+    "ipv4": _IPV4,
+    "ipv6": _ipv6_regex(),
     "email": rf"{_ATEXT}+(\.{_ATEXT}+)*@{_LABEL}(\.{_LABEL})+",
 }
 
