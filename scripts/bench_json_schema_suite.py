@@ -351,7 +351,9 @@ def smaller_language_rule(case: Case, inst: Instance) -> str | None:
       ``z``, a leap second (``:60``) or a fraction of more than 9 digits; ``email`` with a quoted local part
       (``"``), an address literal (``[``) or a domain without a dot; ``uri`` / ``uri-reference`` / ``iri`` /
       ``iri-reference`` without ``scheme://``, with user info (``@``) or an IP literal (``[``) in the
-      authority, or with a non-ASCII character -- fst's documented format subsets;
+      authority, or with a non-ASCII character; ``hostname`` with one label or more than four, a label over
+      62 characters, a top-level label that is not 2-62 letters or a trailing dot -- fst's documented format
+      subsets;
     * ``pattern-classes``: a string governed by a ``pattern`` that uses ``\d`` ``\w`` ``\s`` ``\D``
       ``\S``, ``.`` or a negated class, holding a character outside printable ASCII or one JSON escapes
       (fst: those classes are ASCII / exclude all Unicode digits and spaces, escaped characters and
@@ -467,6 +469,11 @@ class _Rules(_Orderer):
             if fmt in ("uri", "uri-reference", "iri", "iri-reference"):
                 m = re.match(r"[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)", value)
                 if not m or "@" in m.group(1) or "[" in m.group(1) or re.search(r"[^\x00-\x7f]", value):
+                    self.found.append("format-subset")
+            if fmt == "hostname":
+                labels = value.split(".")
+                if (not 2 <= len(labels) <= 4 or any(len(x) > 62 for x in labels)
+                        or not re.fullmatch("[A-Za-z]{2,62}", labels[-1])):
                     self.found.append("format-subset")
             pat = s.get("pattern")
             if isinstance(pat, str) and _PATTERN_CLASS.search(pat) and _NON_PLAIN.search(value):

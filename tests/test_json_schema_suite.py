@@ -21,7 +21,8 @@ Asserted:
   the suite treats ``format`` as an annotation, fst asserts it), ``custom-metaschema`` (a root ``$schema``
   other than draft 2020-12's: fst ignores ``$schema``), ``format-subset`` (lower-case ``t`` / ``z``, leap
   seconds, > 9 fraction digits in date-time / time; quoted local parts, address literals, dotless domains
-  in email), ``pattern-classes`` (``\\d \\w \\s \\D \\S . [^`` in a pattern vs. a character outside
+  in email; single-label or long-label hostnames, or ones whose top-level label is not letters),
+  ``pattern-classes`` (``\\d \\w \\s \\D \\S . [^`` in a pattern vs. a character outside
   printable ASCII or one JSON escapes), ``number-spelling`` (an integral value written ``1.0`` / with an
   exponent / ``-0`` under integer type, bounds or multipleOf), ``enum-spelling`` (a value equal to an
   enum / const value but spelled differently), ``any-value-depth`` (a container deeper than

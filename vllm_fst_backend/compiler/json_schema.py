@@ -26,6 +26,8 @@ Enforced exactly:
   ``format`` ``date`` (month lengths, Feb 29 only in leap years, years 0001-9999), ``time`` and ``date-time`` (RFC 3339 with a required offset; enforced even
   where ``jsonschema`` lacks its optional RFC 3339 checker), ``uuid``, ``ipv4`` (octets 0-255, no leading
   zeros), ``ipv6`` (every form ``ipaddress`` reads, ``::`` and IPv4 tails included, no zone index),
+  ``hostname`` (2-4 labels of at most 62 characters, the last 2-62 letters: a subset every version of
+  the ``fqdn`` checker accepts),
   ``email`` (a dot-atom subset of what ``jsonschema`` accepts), ``uri`` / ``uri-reference`` /
   ``iri`` / ``iri-reference`` (an RFC 3986 subset, below); ``pattern`` or ``format``
   together with a length bound only when every match satisfies the bound, or the pattern is one repeated
@@ -75,7 +77,7 @@ anchor (``"#name"``).
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
 (other than ``false``), ``if``, ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
-non-integer number bounds, other ``format`` values a draft defines (``hostname``, ``duration``,
+non-integer number bounds, other ``format`` values a draft defines (``duration``, ``idn-hostname``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
 and Python meanings differ or that our parser lacks (``\\W``, ``(?...)`` other than ``(?:``, ``{,n}``,
 ``[]``, lookaround, backreferences, ``\\b``, ``\\p{..}``, ``\\D`` / ``\\S`` inside a class), ``pattern``
@@ -119,7 +121,9 @@ Smaller language (documented choices; valid instances outside the regex are neve
   ``email`` is ``dot-atom@domain`` with at least one dot in the domain (no quoted local parts, no
   address literals); ``uuid`` is the 8-4-4-4-12 hex form; ``uri`` and its relatives are
   ``scheme://host[:port]path[?query][#fragment]`` in RFC 3986's ASCII characters with percent escapes
-  (no user info, IP literal, URI without ``//``, relative reference or non-ASCII IRI);
+  (no user info, IP literal, URI without ``//``, relative reference or non-ASCII IRI); ``hostname`` has
+  2-4 labels, each of at most 62 characters, the last one 2-62 letters (no single-label name, no digit or
+  hyphen in the top-level label, no trailing dot);
 * integers: no exponent and no fraction (``1.0`` and ``1e2`` are integers to JSON Schema), and
   ``enum`` / ``const`` numbers only in their own spelling (``1`` for 1, not ``1.0``); numbers with a
   bound or ``multipleOf``: no exponent, ``-0`` excluded; with ``multipleOf``: integers only; with an
@@ -499,6 +503,12 @@ def _ipv6_regex() -> str:
     return "(" + "|".join(alts) + ")"
 
 
+#: ``hostname``: what every checker of the format accepts, whichever version of the optional ``fqdn`` package
+#: ``jsonschema`` finds (1.5: dot-separated labels of 1-63 letters, digits or inner hyphens, at most 253
+#: characters; 1.0-1.4: at least two labels of at most 62, the last one letters only) and RFC 1123: 2-4
+#: labels of at most 62 characters, the last one 2-62 letters (at most 251 characters in all)
+_HOST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,60}[A-Za-z0-9])?"
+_HOSTNAME = rf"({_HOST_LABEL}\.){{1,3}}[A-Za-z]{{2,62}}"
 _FORMATS = {
     "uri": _URI,
     "uri-reference": _URI,  # (a URI is a URI reference)
@@ -510,6 +520,7 @@ _FORMATS = {
     "uuid": rf"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
     "ipv4": _IPV4,
     "ipv6": _ipv6_regex(),
+    "hostname": _HOSTNAME,
     "email": rf"{_ATEXT}+(\.{_ATEXT}+)*@{_LABEL}(\.{_LABEL})+",
 }
 
