@@ -607,6 +607,35 @@ def test_first_samples_in_the_step_with_jumps_on(server):
     assert _delta(m["after"], m["before"], "vllm_fst_jump_draft_tokens_total") > 0
 
 
+def test_seeded_requests_with_new_schemas_and_prompt_logprobs(server, tok, eos_ids):
+    """Seeded, sampled requests with new JSON schemas and ``prompt_logprobs`` (no first sample in the step
+    for them): on CPU they wait for their grammars instead of an early prefill stopped one token short,
+    whose discarded sample vLLM's CPU worker answers by rewinding the request's generator, which CPU
+    generators cannot do (``CPU Generator does not use offset``: the engine core died with the worker, and
+    every later request got a 500). Outputs valid and canonical; the server keeps serving."""
+    import jsonschema
+    import requests
+
+    schemas = heavy_schemas("seeded", 2, text_len=200)
+
+    def one(i: int):
+        prompt = f"Seeded request {i}. " + LONG_PREFACE + f"Give seeded_{i} and rank.\n"
+        return _completion(server, {"structured_outputs": {"json": schemas[i]}}, prompt, max_tokens=400,
+                           temperature=0.8, seed=11 + i, prompt_logprobs=1)
+
+    with ThreadPoolExecutor(2) as ex:
+        results = list(ex.map(one, range(2)))
+    for i, res in enumerate(results):
+        assert res.status_code == 200, res.text
+        assert res.json()["choices"][0].get("prompt_logprobs"), "no prompt logprobs"
+        for text, ids in _outputs(res, eos_ids):
+            _assert_canonical(tok, text, ids)
+            jsonschema.validate(json.loads(text), schemas[i])
+    assert requests.get(server.base + "/health", timeout=5).status_code == 200
+    r = _chat(server, {"structured_outputs": {"regex": "(yes|no)"}}, "Still there?")
+    assert r.status_code == 200, r.text
+
+
 def test_server_still_healthy(server):
     import requests
 

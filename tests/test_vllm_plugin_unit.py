@@ -946,6 +946,22 @@ def test_engine_waits_for_the_api_servers_compile_and_prefills_meanwhile(fake_st
     sched.grammar_compile_error_reqs.clear()
     assert Scheduler._handle_blocked_waiting_request(sched, bad) is False and sched.grammar_compile_error_reqs == {"p3"}
 
+    # a seeded request on CPU: no early prefill (vLLM's CPU worker cannot rewind the generator of a request
+    # whose sampled token it discards); it waits for its grammar, then is admitted and prefilled whole
+    seed_token = markers.begin(key)
+    seeded = request("p6", "gh", seed_token)
+    seeded.sampling_params.seed = 7
+    mgr.grammar_init(seeded)
+    for _ in range(3):
+        assert Scheduler._handle_blocked_waiting_request(sched, seeded) is False and seeded.status == blocked
+    assert Scheduler._reserve_prefill_lookahead(sched, seeded, 0, 100) == 0
+    fake_stages.compile("gh", options.FstRequestOptions())
+    COMPILE_CALLS.clear()
+    markers.end(key, seed_token, refused=False)
+    wait_done(seeded)
+    assert Scheduler._reserve_prefill_lookahead(sched, seeded, 0, 100) == 100
+    assert COMPILE_CALLS == []
+
     late = request("p5", "cd", token)  # reaches the engine after the check refused it: fails, no compile
     mgr.grammar_init(late)
     assert isinstance(late.structured_output_request.grammar, pending.CompileRefused) and COMPILE_CALLS == []

@@ -685,7 +685,8 @@ def _patch_scheduler() -> None:
       truncates its own copy from the ``num_output_tokens`` it is sent, as after a failed KV load), so the
       next step computes that token again, and samples it if the grammar has come;
     * otherwise all of its prompt but the last token, whose output is sampled under the grammar's
-      bitmask and waits for the grammar.
+      bitmask and waits for the grammar; not a seeded request on CPU (:func:`_early_prefill_unsafe`:
+      the worker would crash rewinding its generator), which waits for its grammar before its prefill.
 
     A grammar that fails after the request started ends it like vLLM's own failed compiles
     (``grammar_compile_error_reqs``)."""
@@ -721,6 +722,10 @@ def _patch_scheduler() -> None:
             slot = getattr(so, "_grammar", None) if so is not None else None
             if pending.is_pending(slot):
                 whole = _first_sample_in_step(self, request)  # prefilled whole, its first sample waits in the step
+                if not whole and _early_prefill_unsafe(request):
+                    if request.status != RequestStatus.PREEMPTED:
+                        request.status = blocked
+                    return False  # waits for its grammar, then is prefilled whole
                 if not whole and not slot.waited_a_step:
                     # its compile may well end before the next step: then its whole prompt is prefilled at
                     # once, without the extra step that an early prefill costs its last prompt token
@@ -752,7 +757,8 @@ def _patch_scheduler() -> None:
             slot = getattr(so, "_grammar", None)
             if pending.is_pending(slot):
                 if not _first_sample_in_step(self, request):
-                    n = max(0, min(n, request.num_tokens - 1 - num_computed_tokens))
+                    short = max(0, min(n, request.num_tokens - 1 - num_computed_tokens))
+                    n = 0 if _early_prefill_unsafe(request) else short
                 if n:
                     metric_inc("pending_prefill_tokens", n)
                 return n
@@ -920,6 +926,29 @@ def _first_sample_in_step(sched: Any, request: Any) -> bool:
     sp = getattr(request, "sampling_params", None)
     return (_first_sample_state(sched) is not None and sp is not None and sp.prompt_logprobs is None
             and request.num_output_tokens == 0)
+
+
+_CPU_PLATFORM: list = []  # [whether vLLM's current platform is the CPU], once known
+
+
+def _early_prefill_unsafe(request: Any) -> bool:
+    """Whether prefilling ``request`` one token short of its prompt would crash the worker: vLLM's model
+    runner rewinds the generator of a *seeded* request whose sampled token it discards (a prefill that
+    ends before its prompt does: ``gen.set_offset(gen.get_offset() - 4)`` in ``_bookkeeping_sync``), and
+    CPU generators have no offset (``RuntimeError: CPU Generator does not use offset``: the worker fails,
+    and the engine core with it, for every request). On CPU such a request waits for its grammar without
+    an early prefill (unseeded requests have no generator; CUDA generators keep an offset)."""
+    sp = getattr(request, "sampling_params", None)
+    if getattr(sp, "seed", None) is None:
+        return False
+    if not _CPU_PLATFORM:
+        try:
+            from vllm.platforms import current_platform
+
+            _CPU_PLATFORM.append(bool(current_platform.is_cpu()))
+        except Exception:  # pragma: no cover - no platform: assume the worst
+            _CPU_PLATFORM.append(True)
+    return _CPU_PLATFORM[0]
 
 
 def _ready_request_waits(sched: Any, request: Any) -> bool:
