@@ -44,6 +44,14 @@ def step_bench_args(doc: str, argv, steps: int):
     return ap.parse_args(argv)
 
 
+def p50_mean_cell(times) -> str:
+    """A table cell ``"<p50> / <mean>"`` of ``times`` (µs or ms, printed without decimals): the per-step
+    CPU benchmarks' timing columns."""
+    import statistics
+
+    return f"{statistics.median(times):.0f} / {statistics.mean(times):.0f}"
+
+
 def report_section(title: str, script: str, argv, body: str, note: str, write: bool) -> None:
     """Print ``note``; with ``write``, replace section ``title`` of docs/benchmarks.md with the script's
     command (:func:`script_command`), ``body`` and ``note``."""

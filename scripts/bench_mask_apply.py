@@ -132,7 +132,7 @@ def word_shares(masks) -> tuple[float, float, float]:
 
 
 def main(argv=None) -> int:
-    from scripts.bench_common import step_bench_args
+    from scripts.bench_common import p50_mean_cell, step_bench_args
 
     args = step_bench_args(__doc__, argv, steps=60)
 
@@ -154,10 +154,9 @@ def main(argv=None) -> int:
             ones, zeros, some = word_shares(masks)
             v = time_per_step(vllm_path, masks, V, args.repeats)
             f = time_per_step(fst_path, masks, V, args.repeats) if name == "fst" else None
-            fst_cell = f"{statistics.median(f):.0f} / {statistics.mean(f):.0f}" if f else "– (not used)"
+            fst_cell = p50_mean_cell(f) if f else "– (not used)"
             ratio = f"{statistics.median(v) / statistics.median(f):.1f}×" if f else "–"
-            row = (f"| {B} | {name} | {ones:.0%} / {zeros:.0%} / {some:.0%} | {statistics.median(v):.0f} / "
-                   f"{statistics.mean(v):.0f} | {fst_cell} | {ratio} |")
+            row = f"| {B} | {name} | {ones:.0%} / {zeros:.0%} / {some:.0%} | {p50_mean_cell(v)} | {fst_cell} | {ratio} |"
             rows.append(row)
             print(row, flush=True)
     note = (f"Tokenizer and logits: SmolLM2-135M-Instruct (V = {V}), bfloat16 logits `[B, V]` (the dtype the CPU "

@@ -86,7 +86,7 @@ def time_step(fn, counts, cu, draft, probs, repeats: int) -> float:
 
 
 def main(argv=None) -> int:
-    from scripts.bench_common import step_bench_args
+    from scripts.bench_common import p50_mean_cell, step_bench_args
 
     args = step_bench_args(__doc__, argv, steps=40)
 
@@ -122,8 +122,8 @@ def main(argv=None) -> int:
                 v.append(time_step(vllm_fn, counts, cu, draft, probs, args.repeats))
                 f.append(time_step(fst_fn, counts, cu, draft, probs, args.repeats))
             row = (f"| {B} | {'wide (64 tokens)' if wide else 'one token (forced)'} | {len(steps)} of {args.steps} | "
-                   f"{statistics.mean(sum(c) for c in steps):.1f} | {statistics.median(v):.0f} / {statistics.mean(v):.0f} | "
-                   f"{statistics.median(f):.0f} / {statistics.mean(f):.0f} | {statistics.median(v) / statistics.median(f):.1f}× |")
+                   f"{statistics.mean(sum(c) for c in steps):.1f} | {p50_mean_cell(v)} | {p50_mean_cell(f)} | "
+                   f"{statistics.median(v) / statistics.median(f):.1f}× |")
             rows.append(row)
             print(row, flush=True)
     note = (f"Vocabulary: SmolLM2-135M-Instruct (V = {V}). Steps: B requests, each with its own serving-workload "
