@@ -724,7 +724,8 @@ def _patch_scheduler() -> None:
       next step computes that token again, and samples it if the grammar has come;
     * otherwise all of its prompt but the last token, whose output is sampled under the grammar's
       bitmask and waits for the grammar; not a seeded request on CPU (:func:`_early_prefill_unsafe`:
-      the worker would crash rewinding its generator), which waits for its grammar before its prefill.
+      the worker rewinds its generator after such a prefill, which a CPU generator cannot do), which
+      waits for its grammar before its prefill.
 
     A grammar that fails after the request started ends it like vLLM's own failed compiles
     (``grammar_compile_error_reqs``)."""
@@ -966,27 +967,29 @@ def _first_sample_in_step(sched: Any, request: Any) -> bool:
             and request.num_output_tokens == 0)
 
 
-_CPU_PLATFORM: list = []  # [whether vLLM's current platform is the CPU], once known
+@functools.lru_cache(maxsize=None)
+def _on_cpu() -> bool:
+    """Whether vLLM's current platform is the CPU (True when it cannot be told: the safe side)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # pragma: no cover
+        return True
 
 
 def _early_prefill_unsafe(request: Any) -> bool:
-    """Whether prefilling ``request`` one token short of its prompt would crash the worker: vLLM's model
-    runner rewinds the generator of a *seeded* request whose sampled token it discards (a prefill that
-    ends before its prompt does: ``gen.set_offset(gen.get_offset() - 4)`` in ``_bookkeeping_sync``), and
-    CPU generators have no offset (``RuntimeError: CPU Generator does not use offset``: the worker fails,
-    and the engine core with it, for every request). On CPU such a request waits for its grammar without
-    an early prefill (unseeded requests have no generator; CUDA generators keep an offset)."""
+    """Whether ``request`` must not be prefilled one token short of its prompt: a *seeded* request on CPU.
+    After such a prefill vLLM's model runner discards the step's sample and rewinds the request's
+    generator (``gen.set_offset(gen.get_offset() - 4)`` in ``_bookkeeping_sync``), which CPU generators
+    cannot do (``RuntimeError: CPU Generator does not use offset``: the worker and the engine core
+    failed). :func:`_patch_cpu_discard_rewind` now keeps the worker alive by skipping that rewind, but
+    the skipped rewind leaves the discarded draw in the request's stream, so its seeded output would
+    depend on whether its compile was still running when it arrived; waiting for the grammar keeps it
+    reproducible, and safe where that guard is not installed (another model runner layout). Unseeded
+    requests have no generator; CUDA generators keep an offset."""
     sp = getattr(request, "sampling_params", None)
-    if getattr(sp, "seed", None) is None:
-        return False
-    if not _CPU_PLATFORM:
-        try:
-            from vllm.platforms import current_platform
-
-            _CPU_PLATFORM.append(bool(current_platform.is_cpu()))
-        except Exception:  # pragma: no cover - no platform: assume the worst
-            _CPU_PLATFORM.append(True)
-    return _CPU_PLATFORM[0]
+    return getattr(sp, "seed", None) is not None and _on_cpu()
 
 
 def _ready_request_waits(sched: Any, request: Any) -> bool:
