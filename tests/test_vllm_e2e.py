@@ -636,6 +636,25 @@ def test_seeded_requests_with_new_schemas_and_prompt_logprobs(server, tok, eos_i
     assert r.status_code == 200, r.text
 
 
+def test_ignore_eos_output_stays_constrained(server, tok, eos_ids):
+    # ignore_eos: EOS does not end the request. vLLM leaves the mask of a terminated grammar off (the text
+    # went on unconstrained: "no\nassistant\nThe" for "(yes|no)"); fst's grammar keeps EOS only
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    cases = [({"guided_regex": "(yes|no)"}, lambda t: re.fullmatch("(yes|no)", t)),
+             ({"structured_outputs": {"json": schema}}, lambda t: isinstance(json.loads(t)["ok"], bool))]
+    for extra, valid in cases:
+        r = _completion(server, extra, "Is the sky blue? Answer:", max_tokens=24, ignore_eos=True)
+        assert r.status_code == 200, r.text
+        [c] = r.json()["choices"]
+        ids = c["token_ids"]
+        assert c["finish_reason"] == "length" and len(ids) == 24, c
+        end = next(i for i, t in enumerate(ids) if t in eos_ids)
+        assert set(ids[end:]) <= eos_ids, ids  # EOS only after the end
+        assert valid(c["text"]), c["text"]
+        _assert_canonical(tok, c["text"], ids[:end])
+
+
 def test_server_still_healthy(server):
     import requests
 

@@ -565,6 +565,51 @@ def test_grammar_adapter(fake_stages):
     assert not g.is_terminated() and g.num_forced == 0
 
 
+def test_ignore_eos_keeps_the_mask_on_after_eos(built_artifacts):
+    # vLLM does not apply the mask of a terminated grammar: with ignore_eos the request goes on after EOS,
+    # and its text would go on unconstrained (seen on the CPU server: "no\nassistant\nThe" for "(yes|no)")
+    from vllm_fst_backend.artifacts.store import load_artifacts
+    from vllm_fst_backend.compiler import compile_regex
+    from vllm_fst_backend.runtime import FstMatcher
+
+    arts = load_artifacts(str(built_artifacts("smollm2", canonical=True)))
+    c = compile_regex("no", arts)
+    eos, stop = int(arts.eos_ids[0]), 33  # (33: a user's stop token id)
+    words = (int(arts.vocab_size) + 31) // 32
+    text = FstMatcher(c).forced_tokens(8)[:-1]  # the canonical tokens of "no"
+    mask = torch.zeros((1, words), dtype=torch.int32)
+
+    def grammar(ignore_eos):
+        return vbackend.FstGrammar(FstMatcher(c), eos_ids=arts.eos_ids, stop_token_ids={stop}, token_words=words,
+                                   ignore_eos=ignore_eos)
+
+    g = grammar(True)
+    assert g.accept_tokens("r", text + [eos]) and g.matcher.is_terminated()
+    assert not g.is_terminated()  # so vLLM keeps filling and applying the mask
+    g.fill_bitmask(mask, 0)
+    assert bits(mask[0]) == {eos, stop}  # EOS and the other stop tokens only
+    assert g.validate_tokens([eos, eos, text[0]]) == [eos, eos] and g.validate_tokens([stop, text[0]]) == [stop]
+    assert g.accept_tokens("r", [eos, eos]) and not g.accept_tokens("r", [text[0]])
+    g.rollback(3)  # the two EOS after the end, then the matcher's own EOS
+    assert not g.matcher.is_terminated() and g.validate_tokens([eos, eos, text[0]]) == [eos, eos]
+    g.fill_bitmask(mask, 0)
+    assert bits(mask[0]) == {eos, stop}
+    assert g.accept_tokens("r", [stop, eos, eos]) and not g.is_terminated()
+    g.reset()
+    assert not g.accept_tokens("r", [eos])  # EOS before the end: refused as before
+    # without ignore_eos: terminated at EOS, later tokens ignored (vLLM's other backends)
+    plain = grammar(False)
+    assert plain.accept_tokens("p", text + [eos]) and plain.is_terminated() and plain.accept_tokens("p", [text[0]])
+
+
+def test_engine_grammar_takes_ignore_eos_from_the_request(fake_stages):
+    backend = vbackend.FstBackend(_vllm_config(), tokenizer=None, vocab_size=64)
+    req = _engine_request("r", regex="ab")
+    assert not backend.compile_vllm_request(req).ignore_eos
+    req.sampling_params.ignore_eos = True
+    assert backend.compile_vllm_request(req).ignore_eos
+
+
 def test_compile_grammar_abc_entry_point(fake_stages):
     from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 

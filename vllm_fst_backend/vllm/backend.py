@@ -74,6 +74,10 @@ class FstGrammar(_GrammarBase):
     * Bitmask words beyond the tokenizer's vocabulary (vLLM allocates the model's padded vocabulary)
       are cleared, so padding ids are never allowed.
     * Counts accepted and forced tokens (rollback-aware) and logs them once when the grammar terminates.
+    * ``ignore_eos`` (the request's sampling parameter: EOS does not end it): once EOS is accepted the
+      grammar does not report itself terminated, so vLLM keeps applying its mask, which allows EOS (and
+      the other stop tokens) only; the text stays a match of the constraint up to ``max_tokens``. vLLM
+      does not apply the mask of a terminated grammar: the output would go on unconstrained.
     """
 
     def __init__(
@@ -87,8 +91,11 @@ class FstGrammar(_GrammarBase):
         compile_ms: float = 0.0,
         kind: str = "",
         options: FstRequestOptions | None = None,
+        ignore_eos: bool = False,
     ):
         self.matcher = matcher
+        self.ignore_eos = bool(ignore_eos)
+        self._after_eos = 0  # (ignore_eos) tokens accepted after the matcher's EOS: all EOS
         self.request_id = request_id
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.extra_stop_ids = tuple(sorted({int(t) for t in (stop_token_ids or ())} - set(self.eos_ids)))
@@ -112,9 +119,16 @@ class FstGrammar(_GrammarBase):
 
     # -- StructuredOutputGrammar
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        for t in self._map(tokens):
+        mapped = self._map(tokens)
+        for i, t in enumerate(mapped):
             if self.matcher.is_terminated():
-                return True  # tokens after EOS are ignored (like vLLM's other backends)
+                if not self.ignore_eos:
+                    return True  # tokens after EOS are ignored (like vLLM's other backends)
+                rest = mapped[i:]
+                if any(x not in self.eos_ids for x in rest):
+                    return False  # (atomic: the tokens before stay accepted, as the matcher's own run)
+                self._after_eos += len(rest)
+                return True
             try:
                 forced = self.matcher.forced_tokens(1)
             except Exception:
@@ -128,10 +142,18 @@ class FstGrammar(_GrammarBase):
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         mapped = self._map(tokens)
-        ok = self.matcher.validate_tokens(mapped)
-        return list(tokens[: len(ok)])
+        n = 0 if self.matcher.is_terminated() else len(self.matcher.validate_tokens(mapped))
+        if self.ignore_eos and (n == 0 and self.matcher.is_terminated() or n and mapped[n - 1] in self.eos_ids):
+            while n < len(mapped) and mapped[n] in self.eos_ids:  # EOS only, after EOS
+                n += 1
+        return list(tokens[:n])
 
     def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        after = min(num_tokens, self._after_eos)
+        self._after_eos -= after
+        num_tokens -= after
         if num_tokens <= 0:
             return
         self.matcher.rollback(num_tokens)
@@ -146,10 +168,11 @@ class FstGrammar(_GrammarBase):
                 _set_bit(bitmask, batch_index, t)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.matcher.is_terminated() and not self.ignore_eos
 
     def reset(self):
         self.matcher.reset()
+        self._after_eos = 0
         self._forced_flags.clear()
         self._logged = False
 
@@ -209,9 +232,11 @@ class FstBackend(_BackendBase):
         stop_token_ids: Iterable[int] | None = None,
         request_id: str | None = None,
         cached_only: bool = False,
+        ignore_eos: bool = False,
     ) -> FstGrammar | None:
         """The grammar of one constraint (regex, choice, JSON schema, ``json_object``), compiled within the
-        engine's budget or loaded from a cache; ``cached_only``: None when no cache holds it yet.
+        engine's budget or loaded from a cache; ``cached_only``: None when no cache holds it yet;
+        ``ignore_eos``: the request's sampling parameter (:class:`FstGrammar`: EOS only after the end).
 
         Raises:
             The compiler's errors (``InvalidConstraintError``, ``UnsupportedSchemaError``,
@@ -245,6 +270,7 @@ class FstBackend(_BackendBase):
             compile_ms=res.ms,
             kind=kind,
             options=options,
+            ignore_eos=ignore_eos,
         )
 
     def cached_vllm_grammar(self, request: Any) -> FstGrammar | None:
@@ -286,6 +312,7 @@ class FstBackend(_BackendBase):
                 stop_token_ids=stop_ids,
                 request_id=request.request_id,
                 cached_only=cached_only,
+                ignore_eos=bool(getattr(sp, "ignore_eos", False)),
             )
         except (UnsupportedSchemaError, CompileBudgetError) as e:  # reached the engine unchecked
             if cached_only:
