@@ -571,6 +571,7 @@ def test_ignore_eos_keeps_the_mask_on_after_eos(built_artifacts):
     from vllm_fst_backend.artifacts.store import load_artifacts
     from vllm_fst_backend.compiler import compile_regex
     from vllm_fst_backend.runtime import FstMatcher
+    from vllm_fst_backend.vllm.ignore_eos import EosAfterEndGrammar
 
     arts = load_artifacts(str(built_artifacts("smollm2", canonical=True)))
     c = compile_regex("no", arts)
@@ -579,35 +580,49 @@ def test_ignore_eos_keeps_the_mask_on_after_eos(built_artifacts):
     text = FstMatcher(c).forced_tokens(8)[:-1]  # the canonical tokens of "no"
     mask = torch.zeros((1, words), dtype=torch.int32)
 
-    def grammar(ignore_eos):
-        return vbackend.FstGrammar(FstMatcher(c), eos_ids=arts.eos_ids, stop_token_ids={stop}, token_words=words,
-                                   ignore_eos=ignore_eos)
+    def fst_grammar():
+        return vbackend.FstGrammar(FstMatcher(c), eos_ids=arts.eos_ids, stop_token_ids={stop}, token_words=words)
 
-    g = grammar(True)
+    g = EosAfterEndGrammar(fst_grammar(), {eos, stop})
     assert g.accept_tokens("r", text + [eos]) and g.matcher.is_terminated()
     assert not g.is_terminated()  # so vLLM keeps filling and applying the mask
     g.fill_bitmask(mask, 0)
     assert bits(mask[0]) == {eos, stop}  # EOS and the other stop tokens only
     assert g.validate_tokens([eos, eos, text[0]]) == [eos, eos] and g.validate_tokens([stop, text[0]]) == [stop]
     assert g.accept_tokens("r", [eos, eos]) and not g.accept_tokens("r", [text[0]])
-    g.rollback(3)  # the two EOS after the end, then the matcher's own EOS
+    g.rollback(3)  # the two EOS after the end, then the grammar's own EOS
     assert not g.matcher.is_terminated() and g.validate_tokens([eos, eos, text[0]]) == [eos, eos]
     g.fill_bitmask(mask, 0)
     assert bits(mask[0]) == {eos, stop}
     assert g.accept_tokens("r", [stop, eos, eos]) and not g.is_terminated()
+    assert g.num_forced == len(text) + 1  # (the inner grammar's attributes)
     g.reset()
-    assert not g.accept_tokens("r", [eos])  # EOS before the end: refused as before
-    # without ignore_eos: terminated at EOS, later tokens ignored (vLLM's other backends)
-    plain = grammar(False)
+    assert not g.accept_tokens("r", [eos]) and g.validate_tokens([eos]) == []  # EOS before the end: refused
+    g.fill_bitmask(mask, 0)
+    assert bits(mask[0]) == {text[0]}
+    # without the wrapper: terminated at EOS, later tokens ignored (vLLM's other backends)
+    plain = fst_grammar()
     assert plain.accept_tokens("p", text + [eos]) and plain.is_terminated() and plain.accept_tokens("p", [text[0]])
 
 
-def test_engine_grammar_takes_ignore_eos_from_the_request(fake_stages):
+def test_engine_grammar_wraps_ignore_eos_requests(fake_stages, monkeypatch):
+    from vllm_fst_backend.vllm.ignore_eos import EosAfterEndGrammar
+
     backend = vbackend.FstBackend(_vllm_config(), tokenizer=None, vocab_size=64)
-    req = _engine_request("r", regex="ab")
-    assert not backend.compile_vllm_request(req).ignore_eos
+    req = _engine_request("r", regex="ab", stop_token_ids={33})
+    assert isinstance(backend.compile_vllm_request(req), vbackend.FstGrammar)
     req.sampling_params.ignore_eos = True
-    assert backend.compile_vllm_request(req).ignore_eos
+    g = backend.compile_vllm_request(req)
+    assert isinstance(g, EosAfterEndGrammar) and isinstance(g._inner, vbackend.FstGrammar)
+    assert g._stops == {EOS, 33}
+    assert isinstance(backend.compile_vllm_request(req, cached_only=True), EosAfterEndGrammar)  # (cached now)
+    # the fallback backend's grammar too (vLLM fills a full row once any grammar is terminated)
+    inner = object()
+    monkeypatch.setattr(backend.fallback, "compile", lambda *a, **k: inner)
+    routed = _engine_request("f", grammar='root ::= "a"')
+    routed.sampling_params.ignore_eos = True
+    got = backend.compile_vllm_request(routed)
+    assert isinstance(got, EosAfterEndGrammar) and got._inner is inner
 
 
 def test_compile_grammar_abc_entry_point(fake_stages):

@@ -10,8 +10,10 @@ from vllm_fst_backend.errors import ArtifactError, CompileBudgetError, InvalidOp
 
 from . import BACKEND_NAME, VLLM_VERSION_OK
 from . import context as _context
+from .bitmask import set_bit, has_bit
 from .constraints import constraint_to_regex
 from .fallback import FallbackBackends, needs_fallback
+from .ignore_eos import EosAfterEndGrammar
 from .metrics import logger, metric_inc
 from .options import FstRequestOptions, parse_request_options
 
@@ -50,21 +52,6 @@ def adopt_fallback_route(params: Any) -> str | None:
     return name
 
 
-def _set_bit(bitmask: Any, row: int, token: int) -> None:
-    w, b = divmod(int(token), 32)
-    if w >= bitmask.shape[1]:
-        return
-    v = (int(bitmask[row, w]) & 0xFFFFFFFF) | (1 << b)
-    bitmask[row, w] = v - (1 << 32) if v >= (1 << 31) else v
-
-
-def _test_bit(bitmask: Any, row: int, token: int) -> bool:
-    w, b = divmod(int(token), 32)
-    if w >= bitmask.shape[1]:
-        return False
-    return bool((int(bitmask[row, w]) >> b) & 1)
-
-
 class FstGrammar(_GrammarBase):
     """vLLM ``StructuredOutputGrammar`` adapter over an ``FstMatcher``.
 
@@ -74,10 +61,6 @@ class FstGrammar(_GrammarBase):
     * Bitmask words beyond the tokenizer's vocabulary (vLLM allocates the model's padded vocabulary)
       are cleared, so padding ids are never allowed.
     * Counts accepted and forced tokens (rollback-aware) and logs them once when the grammar terminates.
-    * ``ignore_eos`` (the request's sampling parameter: EOS does not end it): once EOS is accepted the
-      grammar does not report itself terminated, so vLLM keeps applying its mask, which allows EOS (and
-      the other stop tokens) only; the text stays a match of the constraint up to ``max_tokens``. vLLM
-      does not apply the mask of a terminated grammar: the output would go on unconstrained.
     """
 
     def __init__(
@@ -91,11 +74,8 @@ class FstGrammar(_GrammarBase):
         compile_ms: float = 0.0,
         kind: str = "",
         options: FstRequestOptions | None = None,
-        ignore_eos: bool = False,
     ):
         self.matcher = matcher
-        self.ignore_eos = bool(ignore_eos)
-        self._after_eos = 0  # (ignore_eos) tokens accepted after the matcher's EOS: all EOS
         self.request_id = request_id
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.extra_stop_ids = tuple(sorted({int(t) for t in (stop_token_ids or ())} - set(self.eos_ids)))
@@ -119,16 +99,9 @@ class FstGrammar(_GrammarBase):
 
     # -- StructuredOutputGrammar
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        mapped = self._map(tokens)
-        for i, t in enumerate(mapped):
+        for t in self._map(tokens):
             if self.matcher.is_terminated():
-                if not self.ignore_eos:
-                    return True  # tokens after EOS are ignored (like vLLM's other backends)
-                rest = mapped[i:]
-                if any(x not in self.eos_ids for x in rest):
-                    return False  # (atomic: the tokens before stay accepted, as the matcher's own run)
-                self._after_eos += len(rest)
-                return True
+                return True  # tokens after EOS are ignored (like vLLM's other backends)
             try:
                 forced = self.matcher.forced_tokens(1)
             except Exception:
@@ -142,18 +115,10 @@ class FstGrammar(_GrammarBase):
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         mapped = self._map(tokens)
-        n = 0 if self.matcher.is_terminated() else len(self.matcher.validate_tokens(mapped))
-        if self.ignore_eos and (n == 0 and self.matcher.is_terminated() or n and mapped[n - 1] in self.eos_ids):
-            while n < len(mapped) and mapped[n] in self.eos_ids:  # EOS only, after EOS
-                n += 1
-        return list(tokens[:n])
+        ok = self.matcher.validate_tokens(mapped)
+        return list(tokens[: len(ok)])
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens <= 0:
-            return
-        after = min(num_tokens, self._after_eos)
-        self._after_eos -= after
-        num_tokens -= after
         if num_tokens <= 0:
             return
         self.matcher.rollback(num_tokens)
@@ -163,16 +128,15 @@ class FstGrammar(_GrammarBase):
         self.matcher.fill_bitmask(bitmask, batch_index)
         if self.token_words is not None and bitmask.shape[1] > self.token_words:
             bitmask[batch_index, self.token_words :] = 0
-        if self.extra_stop_ids and self.eos_ids and _test_bit(bitmask, batch_index, self.eos_ids[0]):
+        if self.extra_stop_ids and self.eos_ids and has_bit(bitmask, batch_index, self.eos_ids[0]):
             for t in self.extra_stop_ids:
-                _set_bit(bitmask, batch_index, t)
+                set_bit(bitmask, batch_index, t)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated() and not self.ignore_eos
+        return self.matcher.is_terminated()
 
     def reset(self):
         self.matcher.reset()
-        self._after_eos = 0
         self._forced_flags.clear()
         self._logged = False
 
@@ -232,11 +196,9 @@ class FstBackend(_BackendBase):
         stop_token_ids: Iterable[int] | None = None,
         request_id: str | None = None,
         cached_only: bool = False,
-        ignore_eos: bool = False,
     ) -> FstGrammar | None:
         """The grammar of one constraint (regex, choice, JSON schema, ``json_object``), compiled within the
-        engine's budget or loaded from a cache; ``cached_only``: None when no cache holds it yet;
-        ``ignore_eos``: the request's sampling parameter (:class:`FstGrammar`: EOS only after the end).
+        engine's budget or loaded from a cache; ``cached_only``: None when no cache holds it yet.
 
         Raises:
             The compiler's errors (``InvalidConstraintError``, ``UnsupportedSchemaError``,
@@ -270,7 +232,6 @@ class FstBackend(_BackendBase):
             compile_ms=res.ms,
             kind=kind,
             options=options,
-            ignore_eos=ignore_eos,
         )
 
     def cached_vllm_grammar(self, request: Any) -> FstGrammar | None:
@@ -291,7 +252,18 @@ class FstBackend(_BackendBase):
         or the fallback backend's when the API server routed it there (:func:`routed_backend`: a built-in
         backend's name in ``_backend``, or under :data:`FALLBACK_ROUTE_ATTR` on vLLM 0.33) or when fst
         cannot express it (grammar, structural_tag, an unsupported schema that reached the engine
-        unchecked). ``cached_only``: fst's grammar only if no compile is needed, else None."""
+        unchecked). ``cached_only``: fst's grammar only if no compile is needed, else None. A request with
+        ``ignore_eos`` gets it wrapped in an :class:`~.ignore_eos.EosAfterEndGrammar` (stop tokens only
+        after the constraint's end, where vLLM would leave the rest of the output unconstrained)."""
+        grammar = self._vllm_grammar(request, cached_only)
+        sp = request.sampling_params
+        if grammar is not None and getattr(sp, "ignore_eos", False):
+            stops = set(self.context.eos_ids) | set(getattr(sp, "all_stop_token_ids", None) or ())
+            return EosAfterEndGrammar(grammar, stops)
+        return grammar
+
+    def _vllm_grammar(self, request: Any, cached_only: bool) -> Any:
+        """:meth:`compile_vllm_request` without the ``ignore_eos`` wrapper."""
         sp = request.sampling_params
         so_req = request.structured_output_request
         request_type, spec = so_req.structured_output_key
@@ -312,7 +284,6 @@ class FstBackend(_BackendBase):
                 stop_token_ids=stop_ids,
                 request_id=request.request_id,
                 cached_only=cached_only,
-                ignore_eos=bool(getattr(sp, "ignore_eos", False)),
             )
         except (UnsupportedSchemaError, CompileBudgetError) as e:  # reached the engine unchecked
             if cached_only:
