@@ -127,6 +127,45 @@ def cpu_mask_patch(monkeypatch):
     context.SERVED.pop("mask_applied", None)
 
 
+def test_worker_serving_fst_with_any_drafter_gets_the_rejection_sampler_fixes(monkeypatch):
+    """The CPU rejection-sampler fixes (``patches.patch_cpu_expand``, ``patch_cpu_recovered``) are installed
+    by ``init_device`` in a worker serving fst with a speculative config of any method (vLLM's ngram too,
+    where only fst's proposer installed them before), not in other workers."""
+    pytest.importorskip("vllm")
+    import types
+
+    import vllm.v1.sample.rejection_sampler as rs
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from vllm_fst_backend.vllm import context, patches
+
+    monkeypatch.setattr("vllm.platforms.current_platform.is_cpu", lambda: True)
+    monkeypatch.setattr(WorkerWrapperBase, "init_device", lambda self, *a, **k: None)  # (vLLM's own: not here)
+    n = len(patches._PATCHES)
+
+    def worker(backend, spec):
+        return types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            structured_outputs_config=types.SimpleNamespace(backend=backend), speculative_config=spec))
+
+    def fixed():
+        return [bool(getattr(getattr(rs, f), "__fst_wrapped__", False))
+                for f in ("expand_batch_to_tokens", "sample_recovered_tokens")]
+
+    try:
+        patches._patch_cpu_mask_apply()
+        assert fixed() == [False, False]
+        for backend, spec in (("xgrammar", types.SimpleNamespace(method="ngram")), ("fst", None)):
+            WorkerWrapperBase.init_device(worker(backend, spec))
+            assert fixed() == [False, False], backend
+        WorkerWrapperBase.init_device(worker("fst", types.SimpleNamespace(method="ngram")))
+        assert fixed() == [True, True]
+    finally:
+        while len(patches._PATCHES) > n:
+            owner, attr, orig = patches._PATCHES.pop()
+            setattr(owner, attr, orig)
+        context.SERVED.pop("worker_backend", None)
+
+
 @pytest.mark.parametrize("drafts", [{}, {"b": 2, "c": 1}])
 def test_patched_apply_grammar_bitmask_equals_vllms(cpu_mask_patch, drafts, monkeypatch):
     """The wrapper (a worker serving fst) gives vLLM's logits, draft rows included; in a worker of another

