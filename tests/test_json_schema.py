@@ -538,6 +538,95 @@ def test_format_hostname_is_a_subset_of_every_checker():
         assert not c.fullmatch(compact(text)), text
 
 
+def _duration_ok(s: str) -> bool:
+    """RFC 3339 Appendix A's ``duration``, by recursive descent (independent of the converter's regex)."""
+    def num(i):
+        j = i
+        while j < len(s) and s[j] in "0123456789":
+            j += 1
+        return j if j > i else None
+
+    def elems(i, units):  # an element of unit units[0], optionally followed by one of units[1] (and so on)
+        j = num(i)
+        if j is None or j >= len(s) or s[j] != units[0]:
+            return None
+        got = elems(j + 1, units[1:]) if len(units) > 1 else None
+        return got if got is not None else j + 1
+
+    def chain(i, units):  # (dur-day / dur-month / dur-year) or (dur-hour / dur-minute / dur-second)
+        for start in range(len(units)):
+            j = elems(i, units[start:])
+            if j is not None:
+                return j
+        return None
+
+    def time(i):
+        return chain(i + 1, "HMS") if i < len(s) and s[i] == "T" else None
+
+    if not s.startswith("P"):
+        return False
+    week = num(1)
+    if week is not None and week == len(s) - 1 and s[week] == "W":
+        return True
+    j = time(1)
+    if j == len(s):
+        return True
+    j = chain(1, "YMD")
+    if j is None:
+        return False
+    return j == len(s) or time(j) == len(s)
+
+
+def _json_pointer_ok(s: str) -> bool:
+    """RFC 6901 §3: empty, or ``/``-prefixed reference tokens whose ``~`` are ``~0`` / ``~1``."""
+    return s == "" or (s.startswith("/") and re.fullmatch(r"(?:[^~]|~[01])*", s) is not None)
+
+
+def _relative_json_pointer_ok(s: str) -> bool:
+    """A non-negative integer without leading zeros, then ``#`` or a JSON pointer (no index manipulation)."""
+    m = re.match(r"[0-9]+", s)
+    if not m or (len(m.group()) > 1 and m.group()[0] == "0"):
+        return False
+    rest = s[m.end():]
+    return rest == "#" or _json_pointer_ok(rest)
+
+
+def _suite_format_cases(fmt: str) -> list[tuple[str, bool]]:
+    path = Path(__file__).parent / "data" / "json_schema_test_suite" / "draft2020-12" / "optional" / "format"
+    return [(t["data"], t["valid"]) for g in json.loads((path / f"{fmt}.json").read_text()) for t in g["tests"]
+            if isinstance(t["data"], str)]
+
+
+@pytest.mark.parametrize("fmt,oracle,lead,alphabet", [
+    ("duration", _duration_ok, ["P", "P", "PT", ""],
+     ["1Y", "2M", "3D", "4W", "5H", "6M", "7S", "T", "0", "12", "Y", "M", "S", "x"]),
+    ("json-pointer", _json_pointer_ok, ["/", ""],
+     ["/", "~", "~0", "~1", "~2", "a", "0", '"', "\\", "\n", "\x01", "é", "#", " "]),
+    ("relative-json-pointer", _relative_json_pointer_ok, ["0", "1", "20", ""],
+     ["0", "1", "#", "/", "/", "~0", "~", "a", "-", "+", '"']),
+])
+def test_formats_duration_and_json_pointers_are_exact(fmt, oracle, lead, alphabet):
+    """``duration``, ``json-pointer`` and ``relative-json-pointer`` accept what their RFC grammars (written
+    out independently above) accept, in ``json.dumps``'s spelling: the JSON Schema Test Suite's strings
+    (as the suite judges them, and so does the oracle), 20,000 random strings, sampled outputs."""
+    rx = json_schema_to_regex({"type": "string", "format": fmt})
+    c = re.compile(rx)
+    for text, valid in _suite_format_cases(fmt):
+        assert oracle(text) == valid, text
+        assert bool(c.fullmatch(compact(text))) == valid, text
+    rnd = random.Random(7)
+    accepted = 0
+    for _ in range(20_000):
+        text = rnd.choice(lead) + "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 6)))
+        ok = oracle(text)
+        assert bool(c.fullmatch(compact(text))) == ok, text
+        accepted += ok
+    assert accepted > 500, accepted
+    for text in sample(rx, 300, seed=4):
+        assert oracle(json.loads(text)), text
+    assert not c.fullmatch(r'"/a\/b"') and not c.fullmatch(r'"/\u0041"')  # other spellings: left out
+
+
 # RFC 3986 Appendix A, written out independently of the converter: URI = scheme ":" hier-part ["?" query]
 # ["#" fragment] (IP literals left out: the converter never emits one)
 _RFC_PCHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})"
@@ -594,7 +683,7 @@ def test_pattern_identity_escapes():
     assert re.fullmatch(r"a\#b\:c\@d\"e", 'a#b:c@d"e')
 
 
-@pytest.mark.parametrize("fmt", ["duration", "idn-hostname", "regex", "idn-email", "color", "host-name"])
+@pytest.mark.parametrize("fmt", ["uri-template", "idn-hostname", "regex", "idn-email", "color", "host-name"])
 def test_other_formats_refused(fmt):
     with pytest.raises(UnsupportedSchemaError) as ei:
         json_schema_to_regex({"type": "string", "format": fmt})

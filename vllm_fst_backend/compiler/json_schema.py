@@ -27,7 +27,8 @@ Enforced exactly:
   where ``jsonschema`` lacks its optional RFC 3339 checker), ``uuid``, ``ipv4`` (octets 0-255, no leading
   zeros), ``ipv6`` (every form ``ipaddress`` reads, ``::`` and IPv4 tails included, no zone index),
   ``hostname`` (2-4 labels of at most 62 characters, the last 2-62 letters: a subset every version of
-  the ``fqdn`` checker accepts),
+  the ``fqdn`` checker accepts), ``duration`` (RFC 3339 Appendix A), ``json-pointer`` (RFC 6901),
+  ``relative-json-pointer`` (without index manipulation),
   ``email`` (a dot-atom subset of what ``jsonschema`` accepts), ``uri`` / ``uri-reference`` /
   ``iri`` / ``iri-reference`` (an RFC 3986 subset, below); ``pattern`` or ``format``
   together with a length bound only when every match satisfies the bound, or the pattern is one repeated
@@ -77,7 +78,7 @@ anchor (``"#name"``).
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
 (other than ``false``), ``if``, ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
-non-integer number bounds, other ``format`` values a draft defines (``duration``, ``idn-hostname``,
+non-integer number bounds, other ``format`` values a draft defines (``idn-hostname``, ``uri-template``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
 and Python meanings differ or that our parser lacks (``\\W``, ``(?...)`` other than ``(?:``, ``{,n}``,
 ``[]``, lookaround, backreferences, ``\\b``, ``\\p{..}``, ``\\D`` / ``\\S`` inside a class), ``pattern``
@@ -123,7 +124,9 @@ Smaller language (documented choices; valid instances outside the regex are neve
   ``scheme://host[:port]path[?query][#fragment]`` in RFC 3986's ASCII characters with percent escapes
   (no user info, IP literal, URI without ``//``, relative reference or non-ASCII IRI); ``hostname`` has
   2-4 labels, each of at most 62 characters, the last one 2-62 letters (no single-label name, no digit or
-  hyphen in the top-level label, no trailing dot);
+  hyphen in the top-level label, no trailing dot); ``json-pointer`` characters other than control
+  characters, ``"`` and ``\\`` unescaped (those in ``json.dumps``'s spelling), ``relative-json-pointer``
+  without an index manipulation (``0+1/a``);
 * integers: no exponent and no fraction (``1.0`` and ``1e2`` are integers to JSON Schema), and
   ``enum`` / ``const`` numbers only in their own spelling (``1`` for 1, not ``1.0``); numbers with a
   bound or ``multipleOf``: no exponent, ``-0`` excluded; with ``multipleOf``: integers only; with an
@@ -509,6 +512,15 @@ def _ipv6_regex() -> str:
 #: labels of at most 62 characters, the last one 2-62 letters (at most 251 characters in all)
 _HOST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,60}[A-Za-z0-9])?"
 _HOSTNAME = rf"({_HOST_LABEL}\.){{1,3}}[A-Za-z]{{2,62}}"
+#: ``json-pointer`` (RFC 6901 §3) in the JSON-escaped text: reference tokens of characters other than ``/``
+#: and ``~``, with ``~0`` / ``~1``; ``"``, ``\\`` and control characters in ``json.dumps``'s spelling (``\\u00XX``
+#: and the short escapes but ``\\/``, which is a ``/``); other ``\\u`` escapes are left out
+_JP_CHAR = r'([^/~"\\\x00-\x1f]|~[01]|\\(["\\bfnrt]|u00[01][0-9a-fA-F]))'
+_JSON_POINTER = rf"(/{_JP_CHAR}*)*"
+#: ``duration`` (RFC 3339 Appendix A, ISO 8601): ``P`` and the date elements Y, M, D in that order (each
+#: larger one followed by the next), then ``T`` and H, M, S likewise; or weeks alone
+_DUR_TIME = r"T([0-9]+H([0-9]+M([0-9]+S)?)?|[0-9]+M([0-9]+S)?|[0-9]+S)"
+_DURATION = rf"P(([0-9]+D|[0-9]+M([0-9]+D)?|[0-9]+Y([0-9]+M([0-9]+D)?)?)({_DUR_TIME})?|{_DUR_TIME}|[0-9]+W)"
 _FORMATS = {
     "uri": _URI,
     "uri-reference": _URI,  # (a URI is a URI reference)
@@ -522,6 +534,10 @@ _FORMATS = {
     "ipv6": _ipv6_regex(),
     "hostname": _HOSTNAME,
     "email": rf"{_ATEXT}+(\.{_ATEXT}+)*@{_LABEL}(\.{_LABEL})+",
+    "json-pointer": _JSON_POINTER,
+    # (draft-bhutton-relative-json-pointer-00 without its index manipulation, ``0+1/a``)
+    "relative-json-pointer": rf"(0|[1-9][0-9]*)(#|{_JSON_POINTER})",
+    "duration": _DURATION,
 }
 
 _FORMAT_LENGTHS: dict[str, tuple[int, int | None]] = {}  # (min, max) length of each format, on first use
