@@ -76,7 +76,9 @@ without ``contains``; every keyword no draft defines (vendor extensions and typo
 anchor (``"#name"``).
 
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
-(other than ``false``), ``if``, ``contains``, other ``patternProperties``, ``$dynamicRef``,
+(other than ``false``, ``true`` and a ``not`` of types alone, which removes those types: ``not: {"type":
+"integer"}`` leaves the non-integer numbers, written with a fraction and no exponent; not next to numeric
+bounds), ``if``, ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
 non-integer number bounds, other ``format`` values a draft defines (``idn-hostname``, ``uri-template``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
@@ -469,6 +471,11 @@ _STRING_CHAR = r'([^"\\\x00-\x1f]|\\(["\\/bfnrt]|' + _U_ESCAPE + "))"
 _RAW_CHAR_CPS = frozenset(range(0x20)) | {ord('"'), ord("\\")}  # what a raw class must exclude
 _NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 _INTEGER = r"-?(0|[1-9][0-9]*)"
+#: numbers that are not integers (``not: {"type": "integer"}``): a fraction with a non-zero digit, no exponent
+_FRACTIONAL = r"-?(0|[1-9][0-9]*)\.[0-9]*[1-9][0-9]*"
+#: internal key of a flattened schema (never a user's: flatten drops keywords no draft defines): its numbers
+#: are the non-integer ones
+_NOT_INTEGER = "\x00not-integer"
 
 _YEAR = r"([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
 _LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
@@ -1103,12 +1110,35 @@ class _Converter:
         return self.typed(d, ptr, nest)
 
     def not_keyword(self, d: dict, ptr: str) -> Any:
-        sub, _ = self.flatten(self.schema_value(d["not"], "not", ptr), _ptr_join(ptr, "not"))
+        """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and a
+        ``not`` of types alone (``{"type": ...}``) removes those types (``integer`` removed from the numbers
+        leaves the non-integer ones, :data:`_FRACTIONAL`); any other ``not`` is refused."""
+        not_ptr = _ptr_join(ptr, "not")
+        sub, _ = self.flatten(self.schema_value(d["not"], "not", ptr), not_ptr)
+        rest = {k: v for k, v in d.items() if k != "not"}
         if sub is False:
-            return {k: v for k, v in d.items() if k != "not"}
+            return rest
         if sub is True or sub == {}:
             return False
-        raise self.refuse("not", ptr, "negation is not supported (only 'not: false')")
+        if isinstance(sub, dict) and sub.keys() == {"type"}:
+            removed = self.norm_types(sub["type"], not_ptr)
+            allowed = self.norm_types(d["type"], ptr) if "type" in d else set(_TYPE_NAMES)
+            if "number" in allowed:
+                allowed.add("integer")  # (an integer is a number)
+            if "number" in removed:
+                removed = removed | {"integer"}
+            left = allowed - removed
+            if not left:
+                return False
+            if "number" in left and "integer" in removed:
+                if d.keys() & _NUMERIC_KW:
+                    raise self.refuse("not", ptr, "'not: {type: integer}' on numbers with bounds or multipleOf "
+                                                  "is not supported")
+                rest[_NOT_INTEGER] = True
+            rest["type"] = [t for t in _TYPE_NAMES if t in left]
+            return rest
+        raise self.refuse("not", ptr, "negation is not supported (only 'not: false', 'not: true' and a 'not' of "
+                                      "types alone)")
 
     # ---- enum / const --------------------------------------------------------------------------
 
@@ -1316,6 +1346,8 @@ class _Converter:
         return self.rx.make("(" + "|".join(texts) + ")", True, tuple(texts))
 
     def type_number(self, d: dict, ptr: str, nest: int) -> _R | None:
+        if d.get(_NOT_INTEGER):
+            return self.rx.make(_FRACTIONAL, False)
         if "multipleOf" in d:
             return self.type_integer(d, ptr, nest)
         if not (d.keys() & _NUMERIC_KW):
