@@ -636,6 +636,19 @@ def test_seeded_requests_with_new_schemas_and_prompt_logprobs(server, tok, eos_i
     assert r.status_code == 200, r.text
 
 
+def test_disable_any_whitespace_is_compact_json(server, tok, eos_ids):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    extra = {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+    for text, ids in _outputs(_chat(server, extra, "Plan a trip: answer in JSON.", max_tokens=48, temperature=1.0,
+                                    n=4, seed=5), eos_ids):
+        assert set(json.loads(text)) == {"city", "days"}
+        outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+        assert not re.search(r"\s", outside_strings), text  # no whitespace between the JSON tokens
+        _assert_canonical(tok, text, ids)
+
+
 def test_ignore_eos_output_stays_constrained(server, tok, eos_ids):
     # ignore_eos: EOS does not end the request. vLLM leaves the mask of a terminated grammar off (the text
     # went on unconstrained: "no\nassistant\nThe" for "(yes|no)"); fst keeps EOS only (its grammars and the fallback's)

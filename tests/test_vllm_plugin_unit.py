@@ -329,6 +329,24 @@ def test_validation_keeps_fst_and_compiles(fake_stages):
     assert _validate("fst", None, choice=["x", "y"]).structured_outputs._backend == "fst"
 
 
+def test_disable_any_whitespace_gives_compact_json(fake_stages):
+    """A request's ``disable_any_whitespace`` (vLLM's own backends read only the server's setting, which vLLM
+    refuses for fst) is compact JSON in the API server's check and in the engine; an explicit
+    ``whitespace_pattern`` still wins."""
+    from vllm_fst_backend.compiler.json_schema import json_schema_to_regex
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    compact, spaced = json_schema_to_regex(schema, ""), json_schema_to_regex(schema)
+    assert compact == r'\{"a":-?(0|[1-9][0-9]*)\}' and compact != spaced
+    _validate("fst", None, json=schema, disable_any_whitespace=True)
+    assert COMPILE_CALLS[-1][0] == compact  # (the API server's compile check)
+    backend = vbackend.FstBackend(_vllm_config(), tokenizer=None, vocab_size=64)
+    for kw, want in (({"disable_any_whitespace": True}, compact), ({}, spaced),
+                     ({"disable_any_whitespace": True, "whitespace_pattern": "[ ]*"}, json_schema_to_regex(schema, "[ ]*"))):
+        backend.compile_vllm_request(_engine_request("r", json=schema, **kw))
+        assert COMPILE_CALLS[-1][0] == want, kw
+
+
 def test_validation_errors_are_400(fake_stages, monkeypatch):
     from vllm.exceptions import VLLMValidationError
 

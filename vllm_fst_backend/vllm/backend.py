@@ -11,7 +11,7 @@ from vllm_fst_backend.errors import ArtifactError, CompileBudgetError, InvalidOp
 from . import BACKEND_NAME, VLLM_VERSION_OK
 from . import context as _context
 from .bitmask import set_bit, has_bit
-from .constraints import constraint_to_regex
+from .constraints import constraint_to_regex, whitespace_of
 from .fallback import FallbackBackends, needs_fallback
 from .ignore_eos import EosAfterEndGrammar
 from .metrics import logger, metric_inc
@@ -280,7 +280,7 @@ class FstBackend(_BackendBase):
                 request_type,
                 spec,
                 options=parse_request_options(getattr(sp, "extra_args", None)),
-                whitespace_pattern=getattr(so_req.params, "whitespace_pattern", None),
+                whitespace_pattern=whitespace_of(so_req.params),
                 stop_token_ids=stop_ids,
                 request_id=request.request_id,
                 cached_only=cached_only,

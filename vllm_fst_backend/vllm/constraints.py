@@ -41,11 +41,22 @@ def params_kind(so_params: Any) -> tuple[str, Any]:
     raise InvalidConstraintError("no structured-output constraint given")
 
 
+def whitespace_of(so_params: Any) -> str | None:
+    """The whitespace a request's JSON may have between tokens: its ``whitespace_pattern``; else none
+    (``""``: compact JSON) when it sets ``disable_any_whitespace`` (a ``StructuredOutputsParams`` field that
+    vLLM's own backends leave to the server's configuration, which vLLM refuses for fst); else None (the
+    converter's default, ``[ ]?``)."""
+    ws = getattr(so_params, "whitespace_pattern", None)
+    if ws is None and getattr(so_params, "disable_any_whitespace", False) is True:
+        return ""
+    return ws
+
+
 def params_to_regex(so_params: Any, disk: Any = None) -> tuple[str, str]:
     """(kind name, regex) for a ``StructuredOutputsParams``; ``disk``: the host's disk cache, where a
     schema's regex converted by another process is taken from (:func:`constraint_to_regex`)."""
     kind, spec = params_kind(so_params)
-    return kind, constraint_to_regex(kind, spec, getattr(so_params, "whitespace_pattern", None), disk=disk)
+    return kind, constraint_to_regex(kind, spec, whitespace_of(so_params), disk=disk)
 
 
 def legacy_guided_to_structured_outputs(extra: dict[str, Any] | None):

@@ -37,7 +37,7 @@ from vllm_fst_backend.errors import (
 from . import BACKEND_NAME
 from . import context as _context
 from . import fallback, pending
-from .constraints import InvalidConstraintError, check_input_limits, params_kind
+from .constraints import InvalidConstraintError, check_input_limits, params_kind, whitespace_of
 from .metrics import logger, metric_inc
 from .options import env_flag, fst_keys, parse_request_options
 
@@ -163,7 +163,7 @@ def validate_structured_outputs(params: Any, orig: Any, model_config: Any, so_co
         check_input_limits(kind, spec)
     except (InvalidConstraintError, InputTooLargeError) as e:
         raise validation_error(f"fst: {e}", parameter="structured_outputs") from None
-    ws = getattr(so, "whitespace_pattern", None)
+    ws = whitespace_of(so)
     key = PrecheckResults.key(kind, spec, ws, options)
     found, verdict = PRECHECKS.get(key)
     if fallback.needs_fallback(kind, verdict):
@@ -306,7 +306,7 @@ def plan_precheck(request: Any) -> PrecheckPlan | None:
         return None  # the sync hook answers these (400) with vLLM's generic checks first
     if kind in fallback.FALLBACK_KINDS:
         return None
-    ws = getattr(so, "whitespace_pattern", None)
+    ws = whitespace_of(so)
     key = PrecheckResults.key(kind, spec, ws, options)
     found, verdict = PRECHECKS.get(key)
     if found and not isinstance(verdict, CompileBudgetError):
