@@ -911,6 +911,8 @@ def test_unknown_keywords_ignored_older_drafts_refused_with_pointer():
         value = {"$dynamicRef": "#x", "propertyNames": {"maxLength": 3}, "divisibleBy": 2}.get(
             kw, {"x": {"type": "string"}})
         sch = {"type": "object", kw: value}
+        if kw == "propertyNames":  # (extra keys next to declared names: keys other than the names AND S)
+            sch.update(properties={"a": {}}, additionalProperties=True)
         with pytest.raises(UnsupportedSchemaError) as ei:
             json_schema_to_regex(sch)
         assert ei.value.keyword == kw
@@ -925,6 +927,27 @@ def test_unknown_keywords_ignored_older_drafts_refused_with_pointer():
     c = re.compile(json_schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}},
                                          "additionalProperties": False, "minProperties": 1}))
     assert c.fullmatch('{"a":1}') and not c.fullmatch("{}")
+
+
+@pytest.mark.parametrize("schema", [
+    {"propertyNames": {"maxLength": 3}}, {"propertyNames": {"pattern": "^a+$"}}, {"propertyNames": False},
+    {"propertyNames": {"const": "foo"}}, {"propertyNames": {"enum": ["foo", "bar", 1]}},
+    {"type": "object", "propertyNames": {"pattern": "^[a-z]{1,4}$"}, "additionalProperties": {"type": "integer"}},
+    {"type": "object", "propertyNames": {"type": "string", "format": "date"}, "additionalProperties": {"type": "boolean"}},
+    {"type": "object", "propertyNames": {"type": "integer"}},
+    {"type": "object", "propertyNames": {"$ref": "#/$defs/k"}, "$defs": {"k": {"minLength": 2, "maxLength": 2}}},
+])
+def test_property_names_are_the_keys_of_objects_without_declared_names(schema):
+    """``propertyNames`` S of an object that declares no names: its keys are the strings S admits (the JSON
+    Schema Test Suite's propertyNames.json, and maps with typed values): sampled outputs valid, and probe
+    objects accepted iff ``jsonschema`` says valid."""
+    c = re.compile(assert_never_larger(schema))
+    keys = ["", "a", "aa", "aaA", "f", "foo", "bar", "baz", "foobar", "1", "2024-02-29", "2023-02-29", "ab", "a b"]
+    for k in keys:
+        for v in (1, True, "x", None):
+            obj = {k: v}
+            assert bool(c.fullmatch(compact(obj))) == is_valid_text(schema, compact(obj)), (schema, obj)
+    assert c.fullmatch("{}") and (not c.fullmatch('{"foo":1,"bar":2}')) == (not is_valid_text(schema, '{"foo":1,"bar":2}'))
 
 
 def test_boolean_schemas():

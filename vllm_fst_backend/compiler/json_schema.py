@@ -41,7 +41,8 @@ Enforced exactly:
   extra keys with any value; absent: see "Smaller language"), ``unevaluatedProperties`` (as ``additionalProperties`` when that is
   absent, a no-op when it is present; next to ``anyOf`` it sees one alternative's properties at a time,
   a smaller language), ``maxProperties: 0``, ``minProperties: 1``;
-  ``propertyNames``, other ``minProperties`` / ``maxProperties``, ``dependentRequired``,
+  ``propertyNames`` (its strings are the keys of an object that declares no names; elsewhere: when every
+  possible key satisfies it), other ``minProperties`` / ``maxProperties``, ``dependentRequired``,
   ``dependentSchemas`` (and the older drafts' ``dependencies``, read as these two) and
   ``patternProperties: {}`` only when they always hold; ``patternProperties`` with one pattern when no
   declared name matches it and no other key is allowed (``additionalProperties: false``, or silent: see
@@ -1660,6 +1661,7 @@ class _Converter:
                 items.append((self.key_value(self.key(name), v), True))
                 present.append(name)
         names = list(props) + [n for n in required if n not in props]
+        keys_named = False  # (propertyNames built into the extra keys)
         if pattern_extra is not False:  # patternProperties: its keys are the extra keys
             extra = pattern_extra
         else:
@@ -1667,8 +1669,12 @@ class _Converter:
                 extra_value = None  # silent about extra keys: the declared names only (module docstring)
             else:
                 extra_value = self.extra_value(extra_schema, extra_ptr, nest, bool(names))
-            extra = None if extra_value is None else self.key_value(self.extra_key(names), extra_value)
-        count = self.object_side_keywords(d, ptr, present, req, names, extra is not None)
+            extra = None
+            if extra_value is not None:
+                keys_named = not names and "propertyNames" in d
+                key = self.property_names_key(d, ptr, nest) if keys_named else self.extra_key(names)
+                extra = None if key is None else self.key_value(key, extra_value)
+        count = self.object_side_keywords(d, ptr, present, req, names, extra is not None, keys_named)
         if count == "empty":  # maxProperties: 0
             return None if req & set(present) else self.wrap_object(None, True)
         body, may_be_empty = self.object_body(items, extra)
@@ -1728,6 +1734,12 @@ class _Converter:
         except Exception as e:  # noqa: BLE001 - regex.error
             raise self.refuse("patternProperties", ptr, f"cannot read pattern {pat!r}: {e}") from None
 
+    def property_names_key(self, d: dict, ptr: str, nest: int) -> _R | None:
+        """Keys of an object that declares no names, under ``propertyNames`` S: the strings S admits (S and
+        ``type: string``, the values of an ``enum`` checked against both), None when S admits none."""
+        pn = self.schema_value(d["propertyNames"], "propertyNames", ptr)
+        return self.node({"allOf": [pn, {"type": "string"}]}, _ptr_join(ptr, "propertyNames"), nest + 1)
+
     def extra_value(self, schema: Any, ptr: str, nest: int, declares: bool) -> _R | None:
         """Values of extra keys: an explicit schema's regex; arbitrary values of depth
         :data:`EXTRA_VALUE_DEPTH` when the object declares names, else of the depth left at ``nest + 1``."""
@@ -1779,11 +1791,12 @@ class _Converter:
         return rx.alt([rx.cat(rx.alt(leave), anything), *stop])
 
     def object_side_keywords(self, d: dict, ptr: str, present: list[str], req: set[str], names: list[str],
-                             extras: bool) -> str:
+                             extras: bool, keys_named: bool = False) -> str:
         """Refuse the object keywords we do not build into the regex, unless they always hold. Returns
         "empty" for ``maxProperties: 0``, "nonempty" for ``minProperties: 1`` that required properties
-        do not imply (both enforced by the caller), else ""."""
-        if "propertyNames" in d:
+        do not imply (both enforced by the caller), else "". ``keys_named``: ``propertyNames`` is built into
+        the extra keys (:meth:`property_names_key`)."""
+        if "propertyNames" in d and not keys_named:
             pn = self.schema_value(d["propertyNames"], "propertyNames", ptr)
             flat, _ = self.flatten(pn, _ptr_join(ptr, "propertyNames"))
             ok = flat is True or flat == {}
