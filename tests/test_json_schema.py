@@ -731,7 +731,7 @@ def test_arrays():
     c = re.compile(assert_never_larger({"type": "array", "items": {"const": "z"}, "uniqueItems": True}))
     assert c.fullmatch('["z"]') and not c.fullmatch('["z","z"]')
     assert json_schema_to_regex({"type": "array", "uniqueItems": True, "maxItems": 1})
-    for bad in ({"type": "array", "uniqueItems": True}, {"type": "array", "contains": {"const": 1}},
+    for bad in ({"type": "array", "uniqueItems": True}, {"type": "array", "contains": {"const": 1}, "maxContains": 1},
                 {"type": "array", "items": [{"type": "integer"}]}):
         with pytest.raises(UnsupportedSchemaError):
             json_schema_to_regex(bad)
@@ -948,6 +948,39 @@ def test_property_names_are_the_keys_of_objects_without_declared_names(schema):
             obj = {k: v}
             assert bool(c.fullmatch(compact(obj))) == is_valid_text(schema, compact(obj)), (schema, obj)
     assert c.fullmatch("{}") and (not c.fullmatch('{"foo":1,"bar":2}')) == (not is_valid_text(schema, '{"foo":1,"bar":2}'))
+
+
+@pytest.mark.parametrize("schema", [
+    {"contains": {"minimum": 5}}, {"contains": {"const": 5}}, {"contains": True}, {"contains": False},
+    {"contains": {"type": "null"}}, {"contains": {"const": 1}, "minContains": 2}, {"contains": {"const": 1}, "minContains": 0},
+    {"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 3}, "minContains": 2, "minItems": 1},
+    {"$defs": {"n": {"type": "integer", "minimum": 3}}, "type": "array", "items": {"type": "integer"},
+     "contains": {"$ref": "#/$defs/n"}},
+    {"type": "array", "contains": {"enum": [1, "a", None]}, "items": {"type": "integer"}},
+    {"type": "array", "items": {"type": "string", "maxLength": 2}, "contains": {"enum": ["ab", "abc", "a"]}, "minContains": 2},
+])
+def test_contains_at_least_min_contains_elements(schema):
+    """``contains`` C with ``minContains`` m (default 1) and no ``maxContains``: arrays of ``items`` elements
+    of which at least m satisfy C too (the JSON Schema Test Suite's contains.json and minContains.json
+    cases without maxContains, and typed arrays): sampled outputs valid, probe arrays accepted iff
+    ``jsonschema`` says valid."""
+    c = re.compile(assert_never_larger(schema))
+    probes = [[], [1], [5], [2, 5], [6, 2], [1, 1], [1, 2, 1], ["a", None], [None], [3], [3, 6], [1, "x", 1, 1],
+              ["a", "ab", "b"], ["a", "ab", "ac"], ["ab", "b", "a", "a"], ["abc", "a", "a", "a"], "x", 7, {}]
+    for p in probes:
+        text = compact(p)
+        assert bool(c.fullmatch(text)) == is_valid_text(schema, text), (schema, p)
+
+
+def test_contains_refusals():
+    for schema, kw in [({"contains": {"const": 1}, "maxContains": 2}, "contains"),
+                       ({"type": "array", "prefixItems": [{}], "contains": {}}, "contains"),
+                       ({"type": "array", "contains": {"const": 1}, "maxItems": 3}, "contains"),
+                       ({"type": "array", "contains": {"const": 1}, "minItems": 2}, "contains"),
+                       ({"items": {"multipleOf": 2}, "contains": {"multipleOf": 3}}, "contains")]:
+        with pytest.raises(UnsupportedSchemaError) as ei:
+            json_schema_to_regex(schema)
+        assert ei.value.keyword == kw, schema
 
 
 def test_boolean_schemas():

@@ -49,7 +49,9 @@ Enforced exactly:
   "Smaller language"): its keys (a search, as ``pattern``) with values of its schema;
 * arrays: ``items`` (schema or ``false``), ``prefixItems``, ``minItems``, ``maxItems``,
   ``unevaluatedItems`` (as ``items`` when that is absent); ``uniqueItems`` when ``maxItems <= 1`` or the
-  items are a single ``const``;
+  items are a single ``const``; ``contains`` with ``minContains`` (at least that many elements satisfy
+  both ``items`` and ``contains``) when there is no ``maxContains``, ``prefixItems``, ``unevaluatedItems``,
+  ``maxItems``, ``uniqueItems`` or ``minItems`` above ``minContains``;
 * ``anyOf`` (union; sibling keywords, ``oneOf`` included, are distributed into each alternative);
   ``oneOf`` when the alternatives are provably pairwise disjoint (different types, disjoint ``const`` /
   ``enum`` values, disjoint numeric ranges, objects that require a property with disjoint values);
@@ -79,7 +81,7 @@ anchor (``"#name"``).
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
 (other than ``false``, ``true`` and a ``not`` of types alone, which removes those types: ``not: {"type":
 "integer"}`` leaves the non-integer numbers, written with a fraction and no exponent; not next to numeric
-bounds), ``if``, ``contains``, other ``patternProperties``, ``$dynamicRef``,
+bounds), ``if``, other ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
 non-integer number bounds, other ``format`` values a draft defines (``idn-hostname``, ``uri-template``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
@@ -1080,6 +1082,19 @@ class _Converter:
         with self.expanding(refs):
             return self.flat(flat, ptr, nest, schema)
 
+    def node_and(self, parts: list[tuple[Any, str]], ptr: str, nest: int) -> _R | None:
+        """Regex of the conjunction of schemas found at their pointers (each flattened there, then merged as
+        an ``allOf`` is: refused as ``allOf`` when keywords interact); ``enum`` values are checked against
+        all of them."""
+        flats, refs = [], []
+        for schema, at in parts:
+            f, r = self.flatten(schema, at)
+            flats.append((f, at))
+            refs.extend(r)
+        merged = self.merge_children({}, flats, ptr)
+        with self.expanding(refs):
+            return self.flat(merged, ptr, nest, {"allOf": [schema for schema, _ in parts]})
+
     def ref(self, target_ptr: str, ptr: str, nest: int) -> _R | None:
         if target_ptr in self.stack:
             raise self.recursion(target_ptr, ptr)
@@ -1568,8 +1583,8 @@ class _Converter:
     # ---- arrays --------------------------------------------------------------------------------
 
     def type_array(self, d: dict, ptr: str, nest: int) -> _R | None:
-        if "contains" in d:
-            raise self.refuse("contains", ptr, "contains is not supported")
+        if "contains" in d and self.nonneg_int(d, "minContains", ptr, 1) > 0 or "maxContains" in d and "contains" in d:
+            return self.contains(d, ptr, nest)
         prefix = self.schema_list(d, "prefixItems", ptr) if "prefixItems" in d else []
         if "items" in d and isinstance(d["items"], list):
             raise self.refuse("items", ptr, "items as an array is draft 2019-09 and older; use prefixItems")
@@ -1591,6 +1606,42 @@ class _Converter:
         if hi is not None and lo > hi:
             return None
         return self.array(elems, rest, lo, hi)
+
+    def contains(self, d: dict, ptr: str, nest: int) -> _R | None:
+        """Arrays of ``items`` elements (any values without it) of which at least ``minContains`` (default 1)
+        also satisfy ``contains`` C: ``E* B (E* B){m-1} E*`` with separators, B the elements of both
+        schemas (their ``allOf``). Refused with ``maxContains`` (it needs the elements that are not C),
+        ``prefixItems``, ``unevaluatedItems``, ``maxItems``, ``uniqueItems`` or ``minItems`` above m."""
+        m = self.nonneg_int(d, "minContains", ptr, 1)
+        for kw in ("maxContains", "prefixItems", "unevaluatedItems", "maxItems"):
+            if kw in d:
+                raise self.refuse("contains", ptr, f"contains together with {kw} is not supported")
+        if d.get("uniqueItems") is True:
+            raise self.refuse("contains", ptr, "contains together with uniqueItems is not supported")
+        if self.nonneg_int(d, "minItems", ptr, 0) > m:
+            raise self.refuse("contains", ptr, "contains together with a minItems above minContains is not "
+                                               "supported")
+        if "items" in d and isinstance(d["items"], list):
+            raise self.refuse("items", ptr, "items as an array is draft 2019-09 and older; use prefixItems")
+        items = self.schema_value(d["items"], "items", ptr) if "items" in d else True
+        c_ptr, i_ptr = _ptr_join(ptr, "contains"), _ptr_join(ptr, "items")
+        rest = self.node(items, i_ptr, nest + 1)
+        try:
+            both = self.node_and([(items, i_ptr), (self.schema_value(d["contains"], "contains", ptr), c_ptr)],
+                                 c_ptr, nest + 1)
+        except UnsupportedSchemaError as e:
+            if e.keyword != "allOf":
+                raise
+            raise self.refuse("contains", ptr, f"cannot merge contains with items: {e}") from None
+        if rest is None or both is None:
+            return None
+        rx = self.rx
+        others = rx.rep(rx.cat(self.sep, rest), 0, None)
+        body = rx.cat(rx.rep(rx.cat(rest, self.sep), 0, None), both)
+        for _ in range(m - 1):
+            self.tick()
+            body = rx.cat(body, others, self.sep, both)
+        return rx.cat(rx.lit("["), self.ws, body, others, self.ws, rx.lit("]"))
 
     def unique_items(self, d: dict, ptr: str, hi: int | None, elems: list, rest_schema: Any) -> int | None:
         if "uniqueItems" not in d:
@@ -1737,8 +1788,9 @@ class _Converter:
     def property_names_key(self, d: dict, ptr: str, nest: int) -> _R | None:
         """Keys of an object that declares no names, under ``propertyNames`` S: the strings S admits (S and
         ``type: string``, the values of an ``enum`` checked against both), None when S admits none."""
+        pn_ptr = _ptr_join(ptr, "propertyNames")
         pn = self.schema_value(d["propertyNames"], "propertyNames", ptr)
-        return self.node({"allOf": [pn, {"type": "string"}]}, _ptr_join(ptr, "propertyNames"), nest + 1)
+        return self.node_and([(pn, pn_ptr), ({"type": "string"}, pn_ptr)], pn_ptr, nest + 1)
 
     def extra_value(self, schema: Any, ptr: str, nest: int, declares: bool) -> _R | None:
         """Values of extra keys: an explicit schema's regex; arbitrary values of depth
