@@ -209,6 +209,21 @@ class _Orderer:
                     if self.valid(alt, value):
                         out += self.sources(alt, value, depth + 1, seen)
                         break
+        if isinstance(value, dict):  # dependencies whose name is present: the name, then its schema's names
+            on, deps = [], []
+            old = schema.get("dependencies") if isinstance(schema.get("dependencies"), dict) else {}
+            split = ({k: v for k, v in old.items() if isinstance(v, list)},
+                     {k: v for k, v in old.items() if not isinstance(v, list)})
+            for i, kw in enumerate(("dependentRequired", "dependentSchemas")):
+                entries = schema.get(kw) if isinstance(schema.get(kw), dict) else split[i]
+                for name, dep in entries.items():
+                    if name in value:
+                        on.append(name)
+                        deps.append({"required": dep} if i == 0 else dep)
+            if on:
+                out.append({"required": on})
+                for dep in deps:
+                    out += self.sources(dep, value, depth + 1, seen)
         return out
 
     def order(self, value: Any, schema: Any) -> Any:
@@ -274,7 +289,8 @@ def order_instance(value: Any, schema: Any) -> Any:
     ``properties``, then those of its local ``$ref`` target, then of each ``allOf`` member (recursively),
     then of the first ``anyOf`` / ``oneOf`` alternative the value is valid against (``jsonschema``) --
     then the names in their ``required`` lists that no ``properties`` declares, then the other keys in
-    the instance's own order. A container equal to a ``const`` / ``enum`` value of its subschema takes
+    the instance's own order (a ``dependentRequired`` / ``dependentSchemas`` entry whose name is present: that
+    name as a required one, then its names). A container equal to a ``const`` / ``enum`` value of its subschema takes
     that value's key order (fst matches enum values in their compact form). Nested values follow the subschema for their key / index when it is simple:
     ``properties[key]`` (several sources: their ``allOf``), else ``additionalProperties`` /
     ``unevaluatedProperties``; ``prefixItems[i]``, else ``items`` / ``unevaluatedItems``; else any schema

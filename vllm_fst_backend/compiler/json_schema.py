@@ -9,7 +9,8 @@ listed under "Smaller language" below; everything else is enforced exactly or re
 Output shape. Object keys appear in the schema's ``properties`` order (dict order of the parsed JSON, at
 every level), then required names that ``properties`` does not declare (in ``required`` order), then
 extra keys (with ``allOf`` / ``$ref`` merges: the schema's own properties, then each merged schema's new
-ones, in order). Optional properties may be absent; commas are always right. The whitespace regex
+ones, in order; the names of ``dependentRequired`` / ``dependentSchemas`` entries present come as required
+names after the schema's own, in entry order, then their entries' names). Optional properties may be absent; commas are always right. The whitespace regex
 (``whitespace_pattern``, default :data:`DEFAULT_WHITESPACE` = ``[ ]?``; it may only match JSON
 whitespace) goes after ``{``, ``[``, ``,`` and ``:`` and before ``}`` / ``]``; so both the compact
 serialization (``json.dumps(obj, separators=(",", ":"), ensure_ascii=False)``) and ``json.dumps``'
@@ -42,9 +43,10 @@ Enforced exactly:
   absent, a no-op when it is present; next to ``anyOf`` it sees one alternative's properties at a time,
   a smaller language), ``maxProperties: 0``, ``minProperties: 1``;
   ``propertyNames`` (its strings are the keys of an object that declares no names; elsewhere: when every
-  possible key satisfies it), other ``minProperties`` / ``maxProperties``, ``dependentRequired``,
-  ``dependentSchemas`` (and the older drafts' ``dependencies``, read as these two) and
-  ``patternProperties: {}`` only when they always hold; ``patternProperties`` with one pattern when no
+  possible key satisfies it), ``dependentRequired`` / ``dependentSchemas`` (and the older drafts'
+  ``dependencies``, read as these two; up to :attr:`_Converter.MAX_DEPENDENCIES` entries that do not always
+  hold, whose schemas merge with the object's: the union over which of their names are present), other
+  ``minProperties`` / ``maxProperties`` and ``patternProperties: {}`` only when they always hold; ``patternProperties`` with one pattern when no
   declared name matches it and no other key is allowed (``additionalProperties: false``, or silent: see
   "Smaller language"): its keys (a search, as ``pattern``) with values of its schema;
 * arrays: ``items`` (schema or ``false``), ``prefixItems``, ``minItems``, ``maxItems``,
@@ -1123,7 +1125,80 @@ class _Converter:
                 return None
         if "if" in d:
             raise self.refuse("if", ptr, "if/then/else is not supported")
+        if "dependentRequired" in d or "dependentSchemas" in d:
+            return self.dependencies(d, ptr, nest)
         return self.typed(d, ptr, nest)
+
+    #: most ``dependentRequired`` / ``dependentSchemas`` entries that do not always hold in one object (the
+    #: object is written once per subset of their names: 2**n times)
+    MAX_DEPENDENCIES = 3
+
+    def dependencies(self, d: dict, ptr: str, nest: int) -> _R | None:
+        """``dependentRequired`` {t: names} and ``dependentSchemas`` {t: S}: the union, over the subsets P of
+        the entries' names t, of the schema with the names of P required and their S (``{"required":
+        names}``) merged in, and the others declared ``false`` (absent; with ``additionalProperties: true``
+        where the schema declared no names and said nothing about other keys, which would have closed it).
+        Entries that always hold (S true, names all required, t never present) are dropped; at most
+        :data:`MAX_DEPENDENCIES` others, whose S must merge with the schema."""
+        rest = {k: v for k, v in d.items() if k not in ("dependentRequired", "dependentSchemas")}
+        props = self.schema_map(d, "properties", ptr)
+        required = set(self.string_list(d, "required", ptr))
+        declares = bool(props or required or d.get("patternProperties"))
+        extra_kw = next((k for k in ("additionalProperties", "unevaluatedProperties") if k in d), None)
+        closed = ((extra_kw is not None and self.schema_value(d[extra_kw], extra_kw, ptr) is False)
+                  or (extra_kw is None and declares and not self.open_objects)) and not d.get("patternProperties")
+        entries: list[tuple[str, Any, str]] = []  # (name, schema, pointer)
+        for kw in ("dependentRequired", "dependentSchemas"):
+            deps = d.get(kw, {})
+            if not isinstance(deps, dict):
+                raise self.invalid(kw, ptr, "must be an object")
+            for name, dep in deps.items():
+                dptr = _ptr_join(ptr, kw, name)
+                if kw == "dependentRequired":
+                    if not isinstance(dep, list) or not all(isinstance(x, str) for x in dep):
+                        raise self.invalid(kw, ptr, "values must be arrays of strings")
+                    if set(dep) <= required:
+                        continue
+                    dep = {"required": dep}
+                else:
+                    flat, _ = self.flatten(self.schema_value(dep, kw, ptr), dptr)
+                    if flat is True or flat == {}:
+                        continue
+                if closed and (name not in props or self.flatten(props[name], _ptr_join(ptr, "properties", name))[0]
+                               is False):
+                    continue  # the name is never present
+                entries.append((name, dep, dptr))
+        if not entries:
+            return self.typed(rest, ptr, nest)
+        if len(entries) > self.MAX_DEPENDENCIES:
+            raise self.refuse(next(k for k in ("dependentSchemas", "dependentRequired") if k in d), ptr,
+                              f"more than {self.MAX_DEPENDENCIES} dependentRequired / dependentSchemas entries that "
+                              f"do not always hold are not supported")
+        names = list(dict.fromkeys(n for n, _, _ in entries))
+        keep_open = not declares and extra_kw is None and not self.open_objects
+        alts = []
+        for bits in range(1 << len(names)):
+            self.tick()
+            on = [n for i, n in enumerate(names) if bits >> i & 1]
+            base = dict(rest)
+            off = {n: False for n in names if n not in on}
+            if props or off:
+                base["properties"] = {**props, **off}
+            if required or on:
+                base["required"] = list(dict.fromkeys([*self.string_list(d, "required", ptr), *on]))
+            parts = [(base, ptr)] + [(dep, dptr) for n, dep, dptr in entries if n in on]
+            flats, refs = [], []
+            for schema, at in parts:
+                f, r = self.flatten(schema, at)
+                flats.append((f, at))
+                refs.extend(r)
+            merged = self.merge_children({}, flats, ptr)
+            if keep_open and isinstance(merged, dict) and not (merged.keys() & {"additionalProperties",
+                                                                                 "unevaluatedProperties"}):
+                merged["additionalProperties"] = True  # (declared names would close it: module docstring)
+            with self.expanding(refs):
+                alts.append(self.flat(merged, ptr, nest, {"allOf": [schema for schema, _ in parts]}))
+        return self.rx.alt(alts)
 
     def not_keyword(self, d: dict, ptr: str) -> Any:
         """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and a
