@@ -83,7 +83,9 @@ anchor (``"#name"``).
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
 (other than ``false``, ``true`` and a ``not`` of types alone, which removes those types: ``not: {"type":
 "integer"}`` leaves the non-integer numbers, written with a fraction and no exponent; not next to numeric
-bounds), ``if``, other ``contains``, other ``patternProperties``, ``$dynamicRef``,
+bounds), ``if`` whose negation cannot be written (``if`` I ``then`` T ``else`` E is the union of I and T with
+not I and E, and not I is written for a boolean, ``type`` alone or one bound alone: ``minimum`` /
+``maximum`` / exclusive ones, ``minLength`` / ``maxLength``, ``minItems`` / ``maxItems``), other ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
 non-integer number bounds, other ``format`` values a draft defines (``idn-hostname``, ``uri-template``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
@@ -1124,7 +1126,7 @@ class _Converter:
             if d is False:
                 return None
         if "if" in d:
-            raise self.refuse("if", ptr, "if/then/else is not supported")
+            return self.if_then_else(d, ptr, nest)
         if "dependentRequired" in d or "dependentSchemas" in d:
             return self.dependencies(d, ptr, nest)
         return self.typed(d, ptr, nest)
@@ -1199,6 +1201,66 @@ class _Converter:
             with self.expanding(refs):
                 alts.append(self.flat(merged, ptr, nest, {"allOf": [schema for schema, _ in parts]}))
         return self.rx.alt(alts)
+
+    def if_then_else(self, d: dict, ptr: str, nest: int) -> _R | None:
+        """``if`` I ``then`` T ``else`` E: the union of (the rest, I, T) and (the rest, not I, E), each merged
+        as an ``allOf`` (a missing T or E: true); not I as :meth:`negation` writes it."""
+        rest = {k: v for k, v in d.items() if k not in ("if", "then", "else")}
+        if d.keys() & {"unevaluatedProperties", "unevaluatedItems"}:
+            raise self.refuse("if", ptr, "if next to unevaluatedProperties / unevaluatedItems (which see its "
+                                         "annotations) is not supported")
+        if "then" not in d and "else" not in d:
+            return self.flat(rest, ptr, nest, rest)  # (``if`` alone: no effect)
+        i_ptr = _ptr_join(ptr, "if")
+        cond = self.schema_value(d["if"], "if", ptr)
+        flat_if, _ = self.flatten(cond, i_ptr)
+        neg = self.negation(flat_if, "if", ptr)
+        alts = []
+        for branch, c in (("then", cond), ("else", neg)):
+            if c is False:
+                continue
+            parts = [(rest, ptr), (c, i_ptr)]
+            if branch in d:
+                parts.append((self.schema_value(d[branch], branch, ptr), _ptr_join(ptr, branch)))
+            alts.append(self.node_and(parts, ptr, nest))
+        return self.rx.alt(alts)
+
+    #: the bound that ``not {kw: v}`` leaves on numbers / strings / arrays (value: kw, adjustment of v)
+    _NEGATED_BOUNDS = {"minimum": ("exclusiveMaximum", 0), "exclusiveMinimum": ("maximum", 0),
+                       "maximum": ("exclusiveMinimum", 0), "exclusiveMaximum": ("minimum", 0),
+                       "minLength": ("maxLength", -1), "maxLength": ("minLength", 1),
+                       "minItems": ("maxItems", -1), "maxItems": ("minItems", 1)}
+    _BOUND_TYPES = {"minimum": "number", "exclusiveMinimum": "number", "maximum": "number",
+                    "exclusiveMaximum": "number", "minLength": "string", "maxLength": "string",
+                    "minItems": "array", "maxItems": "array"}
+
+    def negation(self, sub: Any, kw: str, ptr: str) -> Any:
+        """A schema for the values that fail the flattened schema ``sub``, where one can be written: for a
+        boolean, for ``type`` alone (not removing ``integer`` from the numbers), and for one bound alone
+        (``{"minimum": 5}`` fails on the numbers below 5: ``{"type": "number", "exclusiveMaximum": 5}``;
+        ``minLength`` / ``maxLength`` / ``minItems`` / ``maxItems`` likewise). Refuses (``kw``) the others."""
+        if sub is False:
+            return True
+        if sub is True or sub == {}:
+            return False
+        if isinstance(sub, dict) and len(sub) == 1:
+            (k, v), = sub.items()
+            if k == "type":
+                removed = self.norm_types(v, ptr)
+                if "number" in removed:
+                    removed = removed | {"integer"}
+                elif "integer" in removed:
+                    raise self.refuse(kw, ptr, f"{kw}: the numbers that are not integers cannot be written here")
+                left = [t for t in _TYPE_NAMES if t not in removed]
+                return {"type": left} if left else False
+            if k in self._NEGATED_BOUNDS:
+                other, delta = self._NEGATED_BOUNDS[k]
+                typ = self._BOUND_TYPES[k]
+                v = self.number(sub, k, ptr) if typ == "number" else self.nonneg_int(sub, k, ptr)
+                if typ != "number" and v + delta < 0:
+                    return False  # (minLength 0: every string passes)
+                return {"type": typ, other: v + delta}
+        raise self.refuse(kw, ptr, f"{kw}: only a boolean, 'type' alone or one bound alone can be negated here")
 
     def not_keyword(self, d: dict, ptr: str) -> Any:
         """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and a
