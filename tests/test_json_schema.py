@@ -802,6 +802,8 @@ _PROBES = [0, 7, -3, 2.0, 1.5, -0.25, 10.05, True, False, None, "", "a", "7", []
     {"type": "number", "not": {"type": "integer"}}, {"type": ["string", "null"], "not": {"type": "null"}},
     {"type": "object", "properties": {"v": {"not": {"type": ["object", "array", "string"]}}}, "required": ["v"]},
     {"not": {"type": ["null", "boolean", "object", "array", "string", "integer"]}},
+    {"not": {"minimum": 5}}, {"type": "integer", "minimum": 0, "not": {"exclusiveMinimum": 3}},
+    {"not": {"maxLength": 1}}, {"type": ["array", "string"], "not": {"minItems": 1}},
 ])
 def test_not_of_types_alone(schema):
     """``not`` of types alone removes them (``integer`` from the numbers leaves the non-integer ones, written

@@ -81,9 +81,9 @@ without ``contains``; every keyword no draft defines (vendor extensions and typo
 anchor (``"#name"``).
 
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
-(other than ``false``, ``true`` and a ``not`` of types alone, which removes those types: ``not: {"type":
+(other than ``false``, ``true``, a ``not`` of types alone, which removes those types: ``not: {"type":
 "integer"}`` leaves the non-integer numbers, written with a fraction and no exponent; not next to numeric
-bounds), ``if`` whose negation cannot be written (``if`` I ``then`` T ``else`` E is the union of I and T with
+bounds; and a ``not`` of one bound alone: its other side), ``if`` whose negation cannot be written (``if`` I ``then`` T ``else`` E is the union of I and T with
 not I and E, and not I is written for a boolean, ``type`` alone or one bound alone: ``minimum`` /
 ``maximum`` / exclusive ones, ``minLength`` / ``maxLength``, ``minItems`` / ``maxItems``), other ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
@@ -1290,8 +1290,11 @@ class _Converter:
                 rest[_NOT_INTEGER] = True
             rest["type"] = [t for t in _TYPE_NAMES if t in left]
             return rest
-        raise self.refuse("not", ptr, "negation is not supported (only 'not: false', 'not: true' and a 'not' of "
-                                      "types alone)")
+        if isinstance(sub, dict) and len(sub) == 1 and next(iter(sub)) in self._NEGATED_BOUNDS:
+            neg = self.negation(sub, "not", not_ptr)  # (one bound alone: the other side of it, :meth:`negation`)
+            return neg if neg is False else self.merge(rest, neg, ptr)
+        raise self.refuse("not", ptr, "negation is not supported (only 'not: false', 'not: true', a 'not' of "
+                                      "types alone or of one bound alone)")
 
     # ---- enum / const --------------------------------------------------------------------------
 
