@@ -1086,16 +1086,20 @@ class _Converter:
         with self.expanding(refs):
             return self.flat(flat, ptr, nest, schema)
 
-    def node_and(self, parts: list[tuple[Any, str]], ptr: str, nest: int) -> _R | None:
+    def node_and(self, parts: list[tuple[Any, str]], ptr: str, nest: int, keep_open: bool = False) -> _R | None:
         """Regex of the conjunction of schemas found at their pointers (each flattened there, then merged as
         an ``allOf`` is: refused as ``allOf`` when keywords interact); ``enum`` values are checked against
-        all of them."""
+        all of them. ``keep_open``: an object that says nothing about other keys takes any (declared names
+        would close it: module docstring, "Smaller language")."""
         flats, refs = [], []
         for schema, at in parts:
             f, r = self.flatten(schema, at)
             flats.append((f, at))
             refs.extend(r)
         merged = self.merge_children({}, flats, ptr)
+        if keep_open and isinstance(merged, dict) and not merged.keys() & {"additionalProperties",
+                                                                          "unevaluatedProperties"}:
+            merged["additionalProperties"] = True
         with self.expanding(refs):
             return self.flat(merged, ptr, nest, {"allOf": [schema for schema, _ in parts]})
 
@@ -1189,17 +1193,7 @@ class _Converter:
             if required or on:
                 base["required"] = list(dict.fromkeys([*self.string_list(d, "required", ptr), *on]))
             parts = [(base, ptr)] + [(dep, dptr) for n, dep, dptr in entries if n in on]
-            flats, refs = [], []
-            for schema, at in parts:
-                f, r = self.flatten(schema, at)
-                flats.append((f, at))
-                refs.extend(r)
-            merged = self.merge_children({}, flats, ptr)
-            if keep_open and isinstance(merged, dict) and not (merged.keys() & {"additionalProperties",
-                                                                                 "unevaluatedProperties"}):
-                merged["additionalProperties"] = True  # (declared names would close it: module docstring)
-            with self.expanding(refs):
-                alts.append(self.flat(merged, ptr, nest, {"allOf": [schema for schema, _ in parts]}))
+            alts.append(self.node_and(parts, ptr, nest, keep_open))
         return self.rx.alt(alts)
 
     def if_then_else(self, d: dict, ptr: str, nest: int) -> _R | None:
@@ -1225,14 +1219,11 @@ class _Converter:
             alts.append(self.node_and(parts, ptr, nest))
         return self.rx.alt(alts)
 
-    #: the bound that ``not {kw: v}`` leaves on numbers / strings / arrays (value: kw, adjustment of v)
-    _NEGATED_BOUNDS = {"minimum": ("exclusiveMaximum", 0), "exclusiveMinimum": ("maximum", 0),
-                       "maximum": ("exclusiveMinimum", 0), "exclusiveMaximum": ("minimum", 0),
-                       "minLength": ("maxLength", -1), "maxLength": ("minLength", 1),
-                       "minItems": ("maxItems", -1), "maxItems": ("minItems", 1)}
-    _BOUND_TYPES = {"minimum": "number", "exclusiveMinimum": "number", "maximum": "number",
-                    "exclusiveMaximum": "number", "minLength": "string", "maxLength": "string",
-                    "minItems": "array", "maxItems": "array"}
+    #: what ``not {kw: v}`` leaves: (the type kw constrains, the other side's keyword, its value less v)
+    _NEGATED_BOUNDS = {"minimum": ("number", "exclusiveMaximum", 0), "exclusiveMinimum": ("number", "maximum", 0),
+                       "maximum": ("number", "exclusiveMinimum", 0), "exclusiveMaximum": ("number", "minimum", 0),
+                       "minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
+                       "minItems": ("array", "maxItems", -1), "maxItems": ("array", "minItems", 1)}
 
     def negation(self, sub: Any, kw: str, ptr: str) -> Any:
         """A schema for the values that fail the flattened schema ``sub``, where one can be written: for a
@@ -1254,8 +1245,7 @@ class _Converter:
                 left = [t for t in _TYPE_NAMES if t not in removed]
                 return {"type": left} if left else False
             if k in self._NEGATED_BOUNDS:
-                other, delta = self._NEGATED_BOUNDS[k]
-                typ = self._BOUND_TYPES[k]
+                typ, other, delta = self._NEGATED_BOUNDS[k]
                 v = self.number(sub, k, ptr) if typ == "number" else self.nonneg_int(sub, k, ptr)
                 if typ != "number" and v + delta < 0:
                     return False  # (minLength 0: every string passes)
@@ -1265,7 +1255,8 @@ class _Converter:
     def not_keyword(self, d: dict, ptr: str) -> Any:
         """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and a
         ``not`` of types alone (``{"type": ...}``) removes those types (``integer`` removed from the numbers
-        leaves the non-integer ones, :data:`_FRACTIONAL`); any other ``not`` is refused."""
+        leaves the non-integer ones, :data:`_FRACTIONAL`), a ``not`` of one bound alone is its other side
+        (:meth:`negation`); any other ``not`` is refused."""
         not_ptr = _ptr_join(ptr, "not")
         sub, _ = self.flatten(self.schema_value(d["not"], "not", ptr), not_ptr)
         rest = {k: v for k, v in d.items() if k != "not"}
@@ -1723,11 +1714,11 @@ class _Converter:
     # ---- arrays --------------------------------------------------------------------------------
 
     def type_array(self, d: dict, ptr: str, nest: int) -> _R | None:
-        if "contains" in d and self.nonneg_int(d, "minContains", ptr, 1) > 0 or "maxContains" in d and "contains" in d:
-            return self.contains(d, ptr, nest)
-        prefix = self.schema_list(d, "prefixItems", ptr) if "prefixItems" in d else []
         if "items" in d and isinstance(d["items"], list):
             raise self.refuse("items", ptr, "items as an array is draft 2019-09 and older; use prefixItems")
+        if "contains" in d and ("maxContains" in d or self.nonneg_int(d, "minContains", ptr, 1) > 0):
+            return self.contains(d, ptr, nest)  # (else at least 0: no constraint)
+        prefix = self.schema_list(d, "prefixItems", ptr) if "prefixItems" in d else []
         items_kw = "items" if "items" in d else "unevaluatedItems" if "unevaluatedItems" in d else None
         lo = self.nonneg_int(d, "minItems", ptr, 0)
         hi = self.nonneg_int(d, "maxItems", ptr)
@@ -1761,8 +1752,6 @@ class _Converter:
         if self.nonneg_int(d, "minItems", ptr, 0) > m:
             raise self.refuse("contains", ptr, "contains together with a minItems above minContains is not "
                                                "supported")
-        if "items" in d and isinstance(d["items"], list):
-            raise self.refuse("items", ptr, "items as an array is draft 2019-09 and older; use prefixItems")
         items = self.schema_value(d["items"], "items", ptr) if "items" in d else True
         c_ptr, i_ptr = _ptr_join(ptr, "contains"), _ptr_join(ptr, "items")
         rest = self.node(items, i_ptr, nest + 1)
