@@ -804,6 +804,9 @@ _PROBES = [0, 7, -3, 2.0, 1.5, -0.25, 10.05, True, False, None, "", "a", "7", []
     {"not": {"type": ["null", "boolean", "object", "array", "string", "integer"]}},
     {"not": {"minimum": 5}}, {"type": "integer", "minimum": 0, "not": {"exclusiveMinimum": 3}},
     {"not": {"maxLength": 1}}, {"type": ["array", "string"], "not": {"minItems": 1}},
+    # with keywords converted as unions of merges: the not still applies in each
+    {"type": ["number", "string"], "not": {"type": "integer"}, "if": {"type": "string"}, "then": {"maxLength": 1}},
+    {"type": ["number", "object"], "not": {"type": "integer"}, "dependentRequired": {"a": ["b"]}},
 ])
 def test_not_of_types_alone(schema):
     """``not`` of types alone removes them (``integer`` from the numbers leaves the non-integer ones, written
@@ -997,6 +1000,8 @@ def test_contains_refusals():
                                       "name": {"type": "string"}},
      "dependentSchemas": {"card": {"required": ["zip"], "properties": {"zip": {"minimum": 10}}}},
      "dependentRequired": {"name": ["card"]}},
+    {"type": "object", "required": ["a"], "dependentRequired": {"a": ["b"]}},  # (a required name: always present)
+    {"type": "object", "properties": {"a": False}, "additionalProperties": False, "dependentRequired": {"a": ["b"]}},
 ])
 def test_dependencies_as_a_union_over_present_names(schema):
     """``dependentRequired`` / ``dependentSchemas`` entries that do not always hold: the union over which of
@@ -1007,10 +1012,10 @@ def test_dependencies_as_a_union_over_present_names(schema):
     probes = [{}, {"bar": 1}, {"foo": 1}, {"bar": 2, "foo": 1}, {"quux": 1, "foo": 1, "bar": 1}, {"bar": 2, "foo": "x"},
               {"foo": 1, "bar": 2}, {"a": 1}, {"a": 1, "b": "x"}, {"a": 1, "b": "x", "c": True}, {"a": 1, "c": False},
               {"card": "1234"}, {"card": "1234", "zip": 12}, {"card": "1234", "zip": 5}, {"zip": 5}, {"name": "n"},
-              {"card": "1", "zip": 10, "name": "n"}, 1, "x", [None]]
+              {"card": "1", "zip": 10, "name": "n"}, {"a": 1, "b": 2}, 1, "x", [None]]
     from scripts.bench_json_schema_suite import order_instance  # (fst's key order, as the suite benchmark)
 
-    declared = schema.get("properties", {})
+    declared = {**schema.get("properties", {}), **{n: {} for n in schema.get("required", [])}}
     for p in probes:
         if declared and isinstance(p, dict) and not p.keys() <= declared.keys():
             continue  # (closed: a schema that declares names takes those only, module docstring)

@@ -1125,14 +1125,16 @@ class _Converter:
             return self.enum(d, ptr, origin)
         if "anyOf" in d or "oneOf" in d:
             return self.combinator(d, ptr, nest, origin)
-        if "not" in d:
-            d = self.not_keyword(d, ptr)
-            if d is False:
-                return None
+        # (``if`` and the dependencies first: they merge their parts with the rest of ``d``, ``not`` included,
+        # and convert each merge here again; ``not`` may leave a mark that only ``typed`` reads)
         if "if" in d:
             return self.if_then_else(d, ptr, nest)
         if "dependentRequired" in d or "dependentSchemas" in d:
             return self.dependencies(d, ptr, nest)
+        if "not" in d:
+            d = self.not_keyword(d, ptr)
+            if d is False:
+                return None
         return self.typed(d, ptr, nest)
 
     #: most ``dependentRequired`` / ``dependentSchemas`` entries that do not always hold in one object (the
@@ -1170,12 +1172,12 @@ class _Converter:
                     flat, _ = self.flatten(self.schema_value(dep, kw, ptr), dptr)
                     if flat is True or flat == {}:
                         continue
-                if closed and (name not in props or self.flatten(props[name], _ptr_join(ptr, "properties", name))[0]
-                               is False):
+                if closed and name not in required and (
+                        name not in props or self.flatten(props[name], _ptr_join(ptr, "properties", name))[0] is False):
                     continue  # the name is never present
                 entries.append((name, dep, dptr))
         if not entries:
-            return self.typed(rest, ptr, nest)
+            return self.flat(rest, ptr, nest, rest)
         if len(entries) > self.MAX_DEPENDENCIES:
             raise self.refuse(next(k for k in ("dependentSchemas", "dependentRequired") if k in d), ptr,
                               f"more than {self.MAX_DEPENDENCIES} dependentRequired / dependentSchemas entries that "
