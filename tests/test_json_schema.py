@@ -1002,6 +1002,9 @@ def test_contains_refusals():
      "dependentRequired": {"name": ["card"]}},
     {"type": "object", "required": ["a"], "dependentRequired": {"a": ["b"]}},  # (a required name: always present)
     {"type": "object", "properties": {"a": False}, "additionalProperties": False, "dependentRequired": {"a": ["b"]}},
+    # a chain (a name another entry adds is not "never present": found by the random test below)
+    {"type": "object", "properties": {"d": {}}, "required": ["d"], "dependentRequired": {"d": ["b"]},
+     "dependentSchemas": {"b": {"required": ["e"]}}},
 ])
 def test_dependencies_as_a_union_over_present_names(schema):
     """``dependentRequired`` / ``dependentSchemas`` entries that do not always hold: the union over which of
@@ -1012,13 +1015,18 @@ def test_dependencies_as_a_union_over_present_names(schema):
     probes = [{}, {"bar": 1}, {"foo": 1}, {"bar": 2, "foo": 1}, {"quux": 1, "foo": 1, "bar": 1}, {"bar": 2, "foo": "x"},
               {"foo": 1, "bar": 2}, {"a": 1}, {"a": 1, "b": "x"}, {"a": 1, "b": "x", "c": True}, {"a": 1, "c": False},
               {"card": "1234"}, {"card": "1234", "zip": 12}, {"card": "1234", "zip": 5}, {"zip": 5}, {"name": "n"},
-              {"card": "1", "zip": 10, "name": "n"}, {"a": 1, "b": 2}, 1, "x", [None]]
+              {"card": "1", "zip": 10, "name": "n"}, {"a": 1, "b": 2}, {"d": 0, "b": None}, {"d": 0, "b": None, "e": 1},
+              {"d": 0}, 1, "x", [None]]
     from scripts.bench_json_schema_suite import order_instance  # (fst's key order, as the suite benchmark)
 
-    declared = {**schema.get("properties", {}), **{n: {} for n in schema.get("required", [])}}
+    closed = "properties" in schema or "required" in schema  # (closed: a schema that declares names, docstring)
+    declared = {*schema.get("properties", {}), *schema.get("required", []),
+                *(n for deps in schema.get("dependentRequired", {}).values() for n in deps),
+                *(n for s in schema.get("dependentSchemas", {}).values() if isinstance(s, dict)
+                  for n in s.get("required", []))}
     for p in probes:
-        if declared and isinstance(p, dict) and not p.keys() <= declared.keys():
-            continue  # (closed: a schema that declares names takes those only, module docstring)
+        if closed and isinstance(p, dict) and not p.keys() <= declared:
+            continue
         text = compact(order_instance(p, schema))
         assert bool(c.fullmatch(text)) == is_valid_text(schema, text), (schema, p)
 
@@ -1051,6 +1059,92 @@ def test_if_refused_where_its_negation_cannot_be_written():
         with pytest.raises(UnsupportedSchemaError) as ei:
             json_schema_to_regex({"if": cond, "then": {"type": "number"}})
         assert ei.value.keyword == "if", cond
+
+
+def _random_value(rnd: random.Random, depth: int = 0):
+    k = rnd.random()
+    if depth < 2 and k < 0.3:
+        return {rnd.choice("abcdef"): _random_value(rnd, depth + 1) for _ in range(rnd.randint(0, 4))}
+    if depth < 2 and k < 0.45:
+        return [_random_value(rnd, depth + 1) for _ in range(rnd.randint(0, 4))]
+    return rnd.choice([0, 1, 2, 5, -3, 1.5, 12, "", "a", "ab", "abc", "2024-01-01", True, False, None])
+
+
+def _random_condition(rnd: random.Random):
+    return rnd.choice([True, False, {"type": "string"}, {"type": ["null", "array"]}, {"minimum": 2},
+                       {"exclusiveMaximum": 1}, {"maxLength": 1}, {"minItems": 2}, {"const": 1}])
+
+
+def _random_new_keyword_schema(rnd: random.Random, depth: int = 0):
+    """Random schemas over the keywords converted as unions of merges (if/then/else, dependencies,
+    contains, not, propertyNames), nested in objects and arrays."""
+    leaf = rnd.choice([{}, {"type": "integer"}, {"type": "string", "maxLength": 2}, {"enum": [1, "a", None]},
+                       {"type": ["number", "string"]}, {"minimum": 1}])
+    if depth > 1:
+        return leaf
+    k = rnd.random()
+    sub = lambda: _random_new_keyword_schema(rnd, depth + 1)  # noqa: E731
+    if k < 0.2:
+        s = {"if": _random_condition(rnd)}
+        for b in ("then", "else"):
+            if rnd.random() < 0.7:
+                s[b] = rnd.choice([sub(), {"type": "integer"}, {"maxLength": 1}, {"minimum": 5}])
+        return s
+    if k < 0.45:
+        names = rnd.sample("abcd", rnd.randint(1, 3))
+        s = {"type": "object", "properties": {n: sub() for n in names}}
+        if rnd.random() < 0.5:
+            s["required"] = rnd.sample(names, rnd.randint(0, len(names)))
+        if rnd.random() < 0.4:
+            s["additionalProperties"] = rnd.choice([False, True, {"type": "integer"}])
+        for _ in range(rnd.randint(1, 2)):
+            t = rnd.choice("abcde")
+            if rnd.random() < 0.5:
+                s.setdefault("dependentRequired", {})[t] = rnd.sample("abcde", rnd.randint(0, 2))
+            else:
+                s.setdefault("dependentSchemas", {})[t] = rnd.choice(
+                    [{"required": [rnd.choice("abcde")]}, {"properties": {rnd.choice("abcde"): {"type": "integer"}}},
+                     {"minProperties": 1}, True])
+        return s
+    if k < 0.6:
+        return {"type": "object", "propertyNames": rnd.choice([{"maxLength": 1}, {"enum": ["a", "b"]}, {"pattern": "^[a-c]$"}]),
+                "additionalProperties": sub()}
+    if k < 0.8:
+        s = {"type": "array", "contains": sub()}
+        if rnd.random() < 0.5:
+            s["items"] = rnd.choice([{"type": ["integer", "string"]}, {}, sub()])
+        if rnd.random() < 0.4:
+            s["minContains"] = rnd.randint(0, 2)
+        return s
+    return {**leaf, "not": rnd.choice([{"type": "integer"}, {"type": "string"}, {"minimum": 2}, {"maxLength": 1},
+                                        {"type": ["null", "boolean"]}])}
+
+
+def test_new_keywords_never_accept_an_invalid_instance():
+    """Soundness of the keywords converted as unions of merges, on random schemas and random instances (keys
+    in fst's order): every instance the regex accepts is valid (``jsonschema``); and the converter refuses
+    by name what it cannot write."""
+    from scripts.bench_json_schema_suite import order_instance
+
+    rnd = random.Random(2025)
+    converted = accepted = 0
+    for _ in range(300):
+        schema = _random_new_keyword_schema(rnd)
+        try:
+            rx = json_schema_to_regex(schema)
+        except NAMED:
+            continue
+        converted += 1
+        c = re.compile(rx)
+        for _ in range(120):
+            v = _random_value(rnd)
+            text = compact(order_instance(v, schema))
+            if c.fullmatch(text):
+                accepted += 1
+                assert is_valid_text(schema, text), (schema, text)
+        for text in sample(rx, 20, seed=rnd.randint(0, 10**6)):
+            assert is_valid_text(schema, text), (schema, text)
+    assert converted > 150 and accepted > 2000, (converted, accepted)
 
 
 def test_boolean_schemas():

@@ -1156,6 +1156,9 @@ class _Converter:
         closed = ((extra_kw is not None and self.schema_value(d[extra_kw], extra_kw, ptr) is False)
                   or (extra_kw is None and declares and not self.open_objects)) and not d.get("patternProperties")
         entries: list[tuple[str, Any, str]] = []  # (name, schema, pointer)
+        # names an entry may add to the object (conservatively: any string in the entries' values)
+        named = json.dumps([list(v.values()) for v in (d.get("dependentRequired"), d.get("dependentSchemas"))
+                            if isinstance(v, dict)], ensure_ascii=False)
         for kw in ("dependentRequired", "dependentSchemas"):
             deps = d.get(kw, {})
             if not isinstance(deps, dict):
@@ -1172,7 +1175,7 @@ class _Converter:
                     flat, _ = self.flatten(self.schema_value(dep, kw, ptr), dptr)
                     if flat is True or flat == {}:
                         continue
-                if closed and name not in required and (
+                if closed and name not in required and json.dumps(name, ensure_ascii=False) not in named and (
                         name not in props or self.flatten(props[name], _ptr_join(ptr, "properties", name))[0] is False):
                     continue  # the name is never present
                 entries.append((name, dep, dptr))
