@@ -1054,8 +1054,29 @@ def test_if_then_else_as_a_union(schema):
         assert bool(c.fullmatch(text)) == is_valid_text(schema, text), (schema, p)
 
 
+def test_if_then_else_discriminated_by_a_property():
+    """The common ``if`` of an object: one property's value (``const``) decides which names are required;
+    not I is "the property present with another value of its ``enum``, or absent when required"."""
+    from scripts.bench_json_schema_suite import order_instance
+
+    schema = {"type": "object", "properties": {"kind": {"enum": ["car", "bike"]}, "wheels": {"type": "integer"},
+                                               "gears": {"type": "integer"}},
+              "required": ["kind"], "additionalProperties": False,
+              "if": {"properties": {"kind": {"const": "car"}}, "required": ["kind"]},
+              "then": {"required": ["wheels"]}, "else": {"required": ["gears"]}}
+    c = re.compile(assert_never_larger(schema))
+    for v in ({"kind": "car", "wheels": 4}, {"kind": "car", "gears": 3}, {"kind": "bike", "gears": 3},
+              {"kind": "bike", "wheels": 2}, {"kind": "bike", "wheels": 2, "gears": 1}, {"kind": "car"}, {}):
+        text = compact(order_instance(v, schema))
+        assert bool(c.fullmatch(text)) == is_valid_text(schema, text), v
+    # without an enum for the property, "another value" is not written: refused
+    with pytest.raises(UnsupportedSchemaError):
+        json_schema_to_regex({**schema, "properties": {**schema["properties"], "kind": {"type": "string"}}})
+
+
 def test_if_refused_where_its_negation_cannot_be_written():
-    for cond in ({"const": 0}, {"type": "integer"}, {"minimum": 1, "maximum": 3}, {"required": ["a"]}):
+    for cond in ({"const": 0}, {"type": "integer"}, {"minimum": 1, "maximum": 3}, {"required": ["a", "b"]},
+                 {"properties": {"a": {}, "b": {}}}):
         with pytest.raises(UnsupportedSchemaError) as ei:
             json_schema_to_regex({"if": cond, "then": {"type": "number"}})
         assert ei.value.keyword == "if", cond
@@ -1072,20 +1093,26 @@ def _random_value(rnd: random.Random, depth: int = 0):
 
 def _random_condition(rnd: random.Random):
     return rnd.choice([True, False, {"type": "string"}, {"type": ["null", "array"]}, {"minimum": 2},
-                       {"exclusiveMaximum": 1}, {"maxLength": 1}, {"minItems": 2}, {"const": 1}])
+                       {"exclusiveMaximum": 1}, {"maxLength": 1}, {"minItems": 2}, {"const": 1},
+                       {"required": ["a"]}, {"properties": {"a": {"const": 1}}},
+                       {"properties": {"b": {"enum": ["a", None]}}, "required": ["b"]}])
 
 
 def _random_new_keyword_schema(rnd: random.Random, depth: int = 0):
     """Random schemas over the keywords converted as unions of merges (if/then/else, dependencies,
     contains, not, propertyNames), nested in objects and arrays."""
     leaf = rnd.choice([{}, {"type": "integer"}, {"type": "string", "maxLength": 2}, {"enum": [1, "a", None]},
-                       {"type": ["number", "string"]}, {"minimum": 1}])
+                       {"type": ["number", "string"]}, {"minimum": 1},
+                       {"type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"enum": ["a", "b", None]}},
+                        "additionalProperties": rnd.choice([False, True])}])
     if depth > 1:
         return leaf
     k = rnd.random()
     sub = lambda: _random_new_keyword_schema(rnd, depth + 1)  # noqa: E731
     if k < 0.2:
         s = {"if": _random_condition(rnd)}
+        if rnd.random() < 0.4:  # (an object discriminated by a property)
+            s.update(type="object", properties={"a": {"enum": [1, 2]}, "b": {"enum": ["a", "b", None]}, "c": sub()})
         for b in ("then", "else"):
             if rnd.random() < 0.7:
                 s[b] = rnd.choice([sub(), {"type": "integer"}, {"maxLength": 1}, {"minimum": 5}])

@@ -1023,6 +1023,8 @@ class _Converter:
                     not _json_equal(a.get(k, _MISSING), b.get(k, _MISSING)) for k in group):
                 if group & (a.keys() | b.keys()) == {"properties"}:
                     continue  # properties alone on both sides: merged name by name (combine)
+                if "properties" in group and (_names_within(a, b) or _names_within(b, a)):
+                    continue  # one side's properties alone, names the other declares: the same "additional" keys
                 kws = "/".join(sorted(group & (a.keys() | b.keys())))
                 raise self.refuse("allOf", ptr, f"cannot merge schemas that both use {kws} (they interact)")
         out = dict(a)
@@ -1232,9 +1234,13 @@ class _Converter:
 
     def negation(self, sub: Any, kw: str, ptr: str) -> Any:
         """A schema for the values that fail the flattened schema ``sub``, where one can be written: for a
-        boolean, for ``type`` alone (not removing ``integer`` from the numbers), and for one bound alone
+        boolean, for ``type`` alone (not removing ``integer`` from the numbers), for one bound alone
         (``{"minimum": 5}`` fails on the numbers below 5: ``{"type": "number", "exclusiveMaximum": 5}``;
-        ``minLength`` / ``maxLength`` / ``minItems`` / ``maxItems`` likewise). Refuses (``kw``) the others."""
+        ``minLength`` / ``maxLength`` / ``minItems`` / ``maxItems`` likewise), for one ``required`` name (the
+        objects without it) and for ``properties`` of one name, with or without ``required`` (the objects
+        where it fails its schema, or is absent when required: the discriminator of ``if`` /
+        ``then``; a ``not`` of that property's schema is left to the conversion of the merged branch, which
+        is exact where the property lists its values with ``enum``). Refuses (``kw``) the others."""
         if sub is False:
             return True
         if sub is True or sub == {}:
@@ -1249,13 +1255,28 @@ class _Converter:
                     raise self.refuse(kw, ptr, f"{kw}: the numbers that are not integers cannot be written here")
                 left = [t for t in _TYPE_NAMES if t not in removed]
                 return {"type": left} if left else False
+            if k == "required":  # one name: the objects without it
+                names = self.string_list(sub, "required", ptr)
+                if len(set(names)) == 1:
+                    return {"type": "object", "properties": {names[0]: False}}
             if k in self._NEGATED_BOUNDS:
                 typ, other, delta = self._NEGATED_BOUNDS[k]
                 v = self.number(sub, k, ptr) if typ == "number" else self.nonneg_int(sub, k, ptr)
                 if typ != "number" and v + delta < 0:
                     return False  # (minLength 0: every string passes)
                 return {"type": typ, other: v + delta}
-        raise self.refuse(kw, ptr, f"{kw}: only a boolean, 'type' alone or one bound alone can be negated here")
+        if isinstance(sub, dict) and "properties" in sub and sub.keys() <= {"properties", "required"}:
+            props = self.schema_map(sub, "properties", ptr)
+            req = set(self.string_list(sub, "required", ptr)) if "required" in sub else set()
+            if len(props) == 1 and req <= props.keys():
+                # one property P: the objects where it is present and fails P's schema (kept as a "not" there:
+                # exact where that property's own schema lists its values, refused elsewhere), or absent
+                # when it is required
+                (name, s), = props.items()
+                fails = {"type": "object", "required": [name], "properties": {name: {"not": s}}}
+                return {"anyOf": [{"type": "object", "properties": {name: False}}, fails]} if req else fails
+        raise self.refuse(kw, ptr, f"{kw}: only a boolean, 'type' alone, one bound alone, one 'required' name "
+                                   f"or one property's schema can be negated here")
 
     def not_keyword(self, d: dict, ptr: str) -> Any:
         """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and a
@@ -2148,6 +2169,15 @@ def _atoms(types: set[str]) -> set[str]:
     if "number" in types:
         out |= {"integer", "fraction"}
     return out
+
+
+def _names_within(x: dict, y: dict) -> bool:
+    """Whether ``x`` has ``properties`` alone of its object keywords (no ``additionalProperties`` /
+    ``patternProperties``) and ``y`` declares every one of those names: merged, the keys that ``y``'s
+    ``additionalProperties`` / ``patternProperties`` see do not change."""
+    px, py = x.get("properties"), y.get("properties")
+    return (isinstance(px, dict) and isinstance(py, dict) and not x.keys() & {"additionalProperties", "patternProperties"}
+            and px.keys() <= py.keys())
 
 
 def _type_meet(a: set[str], b: set[str]) -> set[str]:
