@@ -56,7 +56,9 @@ Enforced exactly:
   ``maxItems``, ``uniqueItems`` or ``minItems`` above ``minContains``;
 * ``anyOf`` (union; sibling keywords, ``oneOf`` included, are distributed into each alternative);
   ``oneOf`` when the alternatives are provably pairwise disjoint (different types, disjoint ``const`` /
-  ``enum`` values, disjoint numeric ranges, objects that require a property with disjoint values);
+  ``enum`` values, disjoint numeric ranges, objects that require a property with disjoint values), or
+  else (up to :attr:`_Converter.MAX_NEGATED_ONE_OF` alternatives) as the union of "this alternative and
+  not the others" where each can be negated (as ``if``'s condition, below);
   ``allOf`` and ``$ref`` with siblings by merging schemas whose keywords do not interact: ``type``
   intersected, ``required`` united, bounds tightened, ``enum`` intersected, ``properties`` united (a
   name in both: ``allOf`` of its two schemas) while neither side has ``additionalProperties`` /
@@ -1383,10 +1385,37 @@ class _Converter:
             for i in range(len(merged)):
                 for j in range(i + 1, len(merged)):
                     if not self.disjoint(merged[i], merged[j], 0):
-                        raise self.refuse("oneOf", ptr, "alternatives are not provably disjoint (e.g. "
-                                                        "different types, const values or numeric ranges); "
-                                                        "use anyOf if overlap is acceptable")
+                        return self.one_of_by_negation(d, rest, ptr, nest)
         return self.rx.alt(results)
+
+    #: most alternatives of a ``oneOf`` written as "this one and not the others" (:meth:`one_of_by_negation`)
+    MAX_NEGATED_ONE_OF = 4
+
+    def one_of_by_negation(self, d: dict, rest: dict, ptr: str, nest: int) -> _R | None:
+        """A ``oneOf`` whose alternatives may overlap: the union over i of (the rest, alternative i, and not
+        each other alternative), not written by :meth:`negation`; refused as ``oneOf`` where one cannot be
+        written, or the parts do not merge."""
+        why = ("alternatives are not provably disjoint (e.g. different types, const values or numeric ranges) "
+               "and not all of them can be negated; use anyOf if overlap is acceptable")
+        subs = [(sub, _ptr_join(ptr, "oneOf", i)) for i, sub in enumerate(self.schema_list(d, "oneOf", ptr))]
+        if len(subs) > self.MAX_NEGATED_ONE_OF:
+            raise self.refuse("oneOf", ptr, why)
+        try:
+            negs = [self.negation(self.flatten(sub, at)[0], "oneOf", at) for sub, at in subs]
+        except UnsupportedSchemaError:
+            raise self.refuse("oneOf", ptr, why) from None
+        alts = []
+        for i, (sub, at) in enumerate(subs):
+            others = [(negs[j], subs[j][1]) for j in range(len(subs)) if j != i]
+            if any(n is False for n, _ in others):
+                continue  # another alternative always holds: this one never holds alone
+            try:
+                alts.append(self.node_and([(rest, ptr), (sub, at), *others], at, nest))
+            except UnsupportedSchemaError as e:
+                if e.keyword not in ("allOf", "not"):
+                    raise
+                raise self.refuse("oneOf", ptr, f"{why} ({e})") from None
+        return self.rx.alt(alts)
 
     def disjoint(self, a: Any, b: Any, depth: int) -> bool:
         """True only when no instance is valid against both flattened schemas ``a`` and ``b``."""
