@@ -822,6 +822,22 @@ def test_not_of_types_alone(schema):
         assert bool(c.fullmatch(text)) == valid, (schema, v)
 
 
+@pytest.mark.parametrize("schema", [
+    # "cannot have result and error at the same time" (a JSON-RPC schema of the JSONSchemaBench sample)
+    {"type": "object", "properties": {"id": {}, "result": {}, "error": {"type": "string"}}, "required": ["id"],
+     "not": {"description": "not both", "required": ["result", "error"]}},
+    {"not": {"required": ["id"]}}, {"type": "object", "additionalProperties": True, "not": {"required": ["id", "error"]}},
+])
+def test_not_of_required_names(schema):
+    """``not: {"required": [...]}``: objects that miss one of the names (non-objects always satisfy
+    ``required``, so never its negation); probe values accepted iff ``jsonschema`` says valid."""
+    c = re.compile(assert_never_larger(schema))
+    for v in ({"id": 1}, {"id": 1, "result": 2}, {"id": 1, "error": "e"}, {"id": 1, "result": 2, "error": "e"},
+              {"result": 2}, {}, 1, "x", None, [1]):
+        text = compact(v)
+        assert bool(c.fullmatch(text)) == is_valid_text(schema, text), (schema, v)
+
+
 def test_not_of_types_edge_cases():
     with pytest.raises(EmptyLanguageError):
         json_schema_to_regex({"type": "integer", "not": {"type": "number"}})
@@ -1100,7 +1116,7 @@ def test_one_of_with_overlapping_alternatives_by_negation(schema):
 
 
 def test_if_refused_where_its_negation_cannot_be_written():
-    for cond in ({"const": 0}, {"type": "integer"}, {"minimum": 1, "maximum": 3}, {"required": ["a", "b"]},
+    for cond in ({"const": 0}, {"type": "integer"}, {"minimum": 1, "maximum": 3}, {"required": list("abcde")},
                  {"properties": {"a": {}, "b": {}}}):
         with pytest.raises(UnsupportedSchemaError) as ei:
             json_schema_to_regex({"if": cond, "then": {"type": "number"}})
@@ -1171,7 +1187,8 @@ def _random_new_keyword_schema(rnd: random.Random, depth: int = 0):
             s["minContains"] = rnd.randint(0, 2)
         return s
     return {**leaf, "not": rnd.choice([{"type": "integer"}, {"type": "string"}, {"minimum": 2}, {"maxLength": 1},
-                                        {"type": ["null", "boolean"]}])}
+                                        {"type": ["null", "boolean"]}, {"required": ["a", "b"]}, {"required": ["b"]},
+                                        {"properties": {"a": {"const": 1}}}])}
 
 
 def test_new_keywords_never_accept_an_invalid_instance():

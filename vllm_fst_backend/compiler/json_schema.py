@@ -299,6 +299,9 @@ _EVALUATES = {
 }
 
 _TYPE_NAMES = ("null", "boolean", "object", "array", "string", "number", "integer")
+#: keywords by which an object schema declares names (and is closed unless it says otherwise: docstring)
+_OBJECT_NAMING = frozenset({"properties", "required", "patternProperties", "additionalProperties",
+                            "unevaluatedProperties"})
 _TYPE_ORDER = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 # --------------------------------------------------------------------------------------------------
@@ -1021,7 +1024,7 @@ class _Converter:
         """``a`` ∧ ``b`` as one dict (False when contradictory); refuses interacting keywords."""
         self.tick()
         for group in _ADJACENT:
-            if group & a.keys() and group & b.keys() and any(
+            if _constraining(group, a) and _constraining(group, b) and any(
                     not _json_equal(a.get(k, _MISSING), b.get(k, _MISSING)) for k in group):
                 if group & (a.keys() | b.keys()) == {"properties"}:
                     continue  # properties alone on both sides: merged name by name (combine)
@@ -1139,6 +1142,8 @@ class _Converter:
             d = self.not_keyword(d, ptr)
             if d is False:
                 return None
+            if d.keys() & {"anyOf", "oneOf", "if", "dependentRequired", "dependentSchemas", "not"}:
+                return self.flat(d, ptr, nest, origin)  # (a negation written as a union, or merged in)
         return self.typed(d, ptr, nest)
 
     #: most ``dependentRequired`` / ``dependentSchemas`` entries that do not always hold in one object (the
@@ -1239,7 +1244,8 @@ class _Converter:
         boolean, for ``type`` alone (not removing ``integer`` from the numbers), for one bound alone
         (``{"minimum": 5}`` fails on the numbers below 5: ``{"type": "number", "exclusiveMaximum": 5}``;
         ``minLength`` / ``maxLength`` / ``minItems`` / ``maxItems`` likewise), for one ``required`` name (the
-        objects without it) and for ``properties`` of one name, with or without ``required`` (the objects
+        objects without it; several names: a union over which one is missing, up to
+        :attr:`MAX_NEGATED_ONE_OF`) and for ``properties`` of one name, with or without ``required`` (the objects
         where it fails its schema, or is absent when required: the discriminator of ``if`` /
         ``then``; a ``not`` of that property's schema is left to the conversion of the merged branch, which
         is exact where the property lists its values with ``enum``). Refuses (``kw``) the others."""
@@ -1257,10 +1263,14 @@ class _Converter:
                     raise self.refuse(kw, ptr, f"{kw}: the numbers that are not integers cannot be written here")
                 left = [t for t in _TYPE_NAMES if t not in removed]
                 return {"type": left} if left else False
-            if k == "required":  # one name: the objects without it
-                names = self.string_list(sub, "required", ptr)
-                if len(set(names)) == 1:
+            if k == "required":  # the objects without one of the names
+                names = list(dict.fromkeys(self.string_list(sub, "required", ptr)))
+                if not names:
+                    return False
+                if len(names) == 1:
                     return {"type": "object", "properties": {names[0]: False}}
+                if len(names) <= self.MAX_NEGATED_ONE_OF:
+                    return {"type": "object", "anyOf": [{"properties": {n: False}} for n in names]}
             if k in self._NEGATED_BOUNDS:
                 typ, other, delta = self._NEGATED_BOUNDS[k]
                 v = self.number(sub, k, ptr) if typ == "number" else self.nonneg_int(sub, k, ptr)
@@ -1283,8 +1293,8 @@ class _Converter:
     def not_keyword(self, d: dict, ptr: str) -> Any:
         """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and a
         ``not`` of types alone (``{"type": ...}``) removes those types (``integer`` removed from the numbers
-        leaves the non-integer ones, :data:`_FRACTIONAL`), a ``not`` of one bound alone is its other side
-        (:meth:`negation`); any other ``not`` is refused."""
+        leaves the non-integer ones, :data:`_FRACTIONAL`), and the other forms :meth:`negation` writes are
+        merged in (one bound alone, ``required``, one property); any other ``not`` is refused."""
         not_ptr = _ptr_join(ptr, "not")
         sub, _ = self.flatten(self.schema_value(d["not"], "not", ptr), not_ptr)
         rest = {k: v for k, v in d.items() if k != "not"}
@@ -1309,11 +1319,14 @@ class _Converter:
                 rest[_NOT_INTEGER] = True
             rest["type"] = [t for t in _TYPE_NAMES if t in left]
             return rest
-        if isinstance(sub, dict) and len(sub) == 1 and next(iter(sub)) in self._NEGATED_BOUNDS:
-            neg = self.negation(sub, "not", not_ptr)  # (one bound alone: the other side of it, :meth:`negation`)
-            return neg if neg is False else self.merge(rest, neg, ptr)
-        raise self.refuse("not", ptr, "negation is not supported (only 'not: false', 'not: true', a 'not' of "
-                                      "types alone or of one bound alone)")
+        neg = self.negation(sub, "not", not_ptr)  # (the other forms :meth:`negation` writes)
+        if neg is False:
+            return False
+        out = self.merge(rest, neg, ptr)
+        if (isinstance(out, dict) and not self.open_objects and not rest.keys() & _OBJECT_NAMING
+                and not out.keys() & {"additionalProperties", "unevaluatedProperties"}):
+            out["additionalProperties"] = True  # (names "absent" here would close an open object: docstring)
+        return out
 
     # ---- enum / const --------------------------------------------------------------------------
 
@@ -2198,6 +2211,13 @@ def _atoms(types: set[str]) -> set[str]:
     if "number" in types:
         out |= {"integer", "fraction"}
     return out
+
+
+def _constraining(group: frozenset, d: dict) -> set:
+    """The keywords of ``group`` in ``d`` that constrain anything (``additionalProperties: true`` / ``{}``
+    does not: merged with the other side's keywords it changes nothing)."""
+    return {k for k in group & d.keys()
+            if not (k in ("additionalProperties", "unevaluatedProperties") and d[k] in (True, {}))}
 
 
 def _names_within(x: dict, y: dict) -> bool:
