@@ -82,12 +82,12 @@ without ``contains``; every keyword no draft defines (vendor extensions and typo
 ``password``, ...: annotations to every validator); drafts 4-6's ``id`` at the root or as a plain-name
 anchor (``"#name"``).
 
-Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): ``not``
-(other than ``false``, ``true``, a ``not`` of types alone, which removes those types: ``not: {"type":
-"integer"}`` leaves the non-integer numbers, written with a fraction and no exponent; not next to numeric
-bounds; and a ``not`` of one bound alone: its other side), ``if`` whose negation cannot be written (``if`` I ``then`` T ``else`` E is the union of I and T with
-not I and E, and not I is written for a boolean, ``type`` alone or one bound alone: ``minimum`` /
-``maximum`` / exclusive ones, ``minLength`` / ``maxLength``, ``minItems`` / ``maxItems``), other ``contains``, other ``patternProperties``, ``$dynamicRef``,
+Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): a ``not``
+whose negation cannot be written (:meth:`_Converter.negation` writes it for a boolean, types alone --
+``not: {"type": "integer"}`` leaves the non-integer numbers, with a fraction and no exponent, not next to
+numeric bounds --, one bound alone: its other side, ``required`` names, one property's schema), an ``if``
+whose negation cannot be written (``if`` I ``then`` T ``else`` E is the union of I and T with not I and E;
+not I as for ``not``, without the non-integer numbers), other ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
 non-integer number bounds, other ``format`` values a draft defines (``idn-hostname``, ``uri-template``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
@@ -1159,7 +1159,8 @@ class _Converter:
         :data:`MAX_DEPENDENCIES` others, whose S must merge with the schema."""
         rest = {k: v for k, v in d.items() if k not in ("dependentRequired", "dependentSchemas")}
         props = self.schema_map(d, "properties", ptr)
-        required = set(self.string_list(d, "required", ptr))
+        req_list = self.string_list(d, "required", ptr)
+        required = set(req_list)
         declares = bool(props or required or d.get("patternProperties"))
         extra_kw = next((k for k in ("additionalProperties", "unevaluatedProperties") if k in d), None)
         closed = ((extra_kw is not None and self.schema_value(d[extra_kw], extra_kw, ptr) is False)
@@ -1205,7 +1206,7 @@ class _Converter:
             if props or off:
                 base["properties"] = {**props, **off}
             if required or on:
-                base["required"] = list(dict.fromkeys([*self.string_list(d, "required", ptr), *on]))
+                base["required"] = list(dict.fromkeys([*req_list, *on]))
             parts = [(base, ptr)] + [(dep, dptr) for n, dep, dptr in entries if n in on]
             alts.append(self.node_and(parts, ptr, nest, keep_open))
         return self.rx.alt(alts)
@@ -1239,9 +1240,11 @@ class _Converter:
                        "minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
                        "minItems": ("array", "maxItems", -1), "maxItems": ("array", "minItems", 1)}
 
-    def negation(self, sub: Any, kw: str, ptr: str) -> Any:
+    def negation(self, sub: Any, kw: str, ptr: str, fractions: bool = False) -> Any:
         """A schema for the values that fail the flattened schema ``sub``, where one can be written: for a
-        boolean, for ``type`` alone (not removing ``integer`` from the numbers), for one bound alone
+        boolean, for ``type`` alone (``integer`` removed from the numbers only with ``fractions``: the result
+        then carries :data:`_NOT_INTEGER`, which only ``typed`` reads, so the caller must not flatten it
+        again), for one bound alone
         (``{"minimum": 5}`` fails on the numbers below 5: ``{"type": "number", "exclusiveMaximum": 5}``;
         ``minLength`` / ``maxLength`` / ``minItems`` / ``maxItems`` likewise), for one ``required`` name (the
         objects without it; several names: a union over which one is missing, up to
@@ -1259,10 +1262,12 @@ class _Converter:
                 removed = self.norm_types(v, ptr)
                 if "number" in removed:
                     removed = removed | {"integer"}
-                elif "integer" in removed:
+                elif "integer" in removed and not fractions:
                     raise self.refuse(kw, ptr, f"{kw}: the numbers that are not integers cannot be written here")
                 left = [t for t in _TYPE_NAMES if t not in removed]
-                return {"type": left} if left else False
+                if not left:
+                    return False
+                return {"type": left, _NOT_INTEGER: True} if "integer" in removed and "number" in left else {"type": left}
             if k == "required":  # the objects without one of the names
                 names = list(dict.fromkeys(self.string_list(sub, "required", ptr)))
                 if not names:
@@ -1291,39 +1296,30 @@ class _Converter:
                                    f"or one property's schema can be negated here")
 
     def not_keyword(self, d: dict, ptr: str) -> Any:
-        """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and a
-        ``not`` of types alone (``{"type": ...}``) removes those types (``integer`` removed from the numbers
-        leaves the non-integer ones, :data:`_FRACTIONAL`), and the other forms :meth:`negation` writes are
-        merged in (one bound alone, ``required``, one property); any other ``not`` is refused."""
+        """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and the
+        forms :meth:`negation` writes are merged in (types alone: ``integer`` removed from the numbers leaves
+        the non-integer ones, :data:`_FRACTIONAL`, not next to numeric bounds; one bound alone, ``required``,
+        one property); any other ``not`` is refused."""
         not_ptr = _ptr_join(ptr, "not")
         sub, _ = self.flatten(self.schema_value(d["not"], "not", ptr), not_ptr)
         rest = {k: v for k, v in d.items() if k != "not"}
         if sub is False:
             return rest
-        if sub is True or sub == {}:
+        neg = self.negation(sub, "not", not_ptr, fractions=True)
+        out = False if neg is False else self.merge(rest, neg, ptr)
+        if out is False:
             return False
-        if isinstance(sub, dict) and sub.keys() == {"type"}:
-            removed = self.norm_types(sub["type"], not_ptr)
-            allowed = self.norm_types(d["type"], ptr) if "type" in d else set(_TYPE_NAMES)
-            if "number" in allowed:
-                allowed.add("integer")  # (an integer is a number)
-            if "number" in removed:
-                removed = removed | {"integer"}
-            left = allowed - removed
-            if not left:
+        if out.pop(_NOT_INTEGER, False):
+            types = [t for t in self.norm_types(out["type"], ptr) if t != "integer"]  # (no integer at all)
+            if not types:
                 return False
-            if "number" in left and "integer" in removed:
-                if d.keys() & _NUMERIC_KW:
+            out["type"] = [t for t in _TYPE_NAMES if t in types]
+            if "number" in types:
+                if rest.keys() & _NUMERIC_KW:
                     raise self.refuse("not", ptr, "'not: {type: integer}' on numbers with bounds or multipleOf "
                                                   "is not supported")
-                rest[_NOT_INTEGER] = True
-            rest["type"] = [t for t in _TYPE_NAMES if t in left]
-            return rest
-        neg = self.negation(sub, "not", not_ptr)  # (the other forms :meth:`negation` writes)
-        if neg is False:
-            return False
-        out = self.merge(rest, neg, ptr)
-        if (isinstance(out, dict) and not self.open_objects and not rest.keys() & _OBJECT_NAMING
+                out[_NOT_INTEGER] = True
+        if (not self.open_objects and neg.keys() - {"type", _NOT_INTEGER} and not rest.keys() & _OBJECT_NAMING
                 and not out.keys() & {"additionalProperties", "unevaluatedProperties"}):
             out["additionalProperties"] = True  # (names "absent" here would close an open object: docstring)
         return out
