@@ -232,6 +232,73 @@ def test_scripts_empty_language(fst_artifacts):
         compile_regex("中文", fst_artifacts("smollm2"), CompileOptions(scripts=("latin",)))
 
 
+# --- allowed token ids (vLLM's allowed_token_ids) ---------------------------------------------------------
+
+
+def _accepted_sequences(c, max_len: int) -> set:
+    """Every accepted token sequence (EOS left out) of ``c``, whose language is finite, up to ``max_len``."""
+    out, stack = set(), [(0, ())]
+    while stack:
+        s, path = stack.pop()
+        for t in c.allowed_tokens(s).tolist():
+            if c.is_eos(t):
+                out.add(path)
+            elif len(path) < max_len:
+                stack.append((c.next_state(s, t), path + (t,)))
+    return out
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("canonical", [True, False], ids=["canonical", "any"])
+def test_allowed_tokens_restrict_the_language_exactly(fst_artifacts, fst_infos, name, canonical):
+    """An automaton built from a token subset accepts exactly the full automaton's sequences that use only
+    those tokens (so no state is left without a token the subset allows, and none is lost), canonical
+    ones the tokenizer's own; a subset that spells no output is an empty language."""
+    arts, info = fst_artifacts(name), fst_infos(name)
+    regex = r"(ab|ba|c){1,3}( x| 龘| ǅ)?"  # (龘, ǅ: byte-fallback tokens in Mistral v1)
+    full = compile_regex(regex, arts, CompileOptions(canonical=canonical))
+    seqs = _accepted_sequences(full, 12)
+    toks = sorted({t for q in seqs for t in q})
+    rnd = random.Random(3)
+    n_empty = 0
+    for size in (1, 2, len(toks) // 3, len(toks) // 2, 2 * len(toks) // 3, len(toks) - 1):
+        subset = set(rnd.sample(toks, max(1, size)))
+        allowed = sorted(subset | set(arts.eos_ids))
+        want = {q for q in seqs if set(q) <= subset}
+        opts = CompileOptions(canonical=canonical, allowed_tokens=allowed)
+        if not want:
+            n_empty += 1
+            with pytest.raises(EmptyLanguageError, match="allowed token ids"):
+                compile_regex(regex, arts, opts)
+            continue
+        c = compile_regex(regex, arts, opts)
+        assert _accepted_sequences(c, 12) == want, (size, sorted(subset))
+        seen, edges, complete = explore(c)
+        assert complete
+        check_coaccessible(c, seen, edges)
+        if canonical:
+            for q in want:
+                assert list(q) == oracle_ids(info, decode_text(info, q))
+    assert n_empty < 6
+
+
+def test_allowed_tokens_need_an_end_token_and_ignore_ids_past_the_vocabulary(fst_artifacts, fst_infos):
+    arts, info = fst_artifacts("smollm2"), fst_infos("smollm2")
+    yes = oracle_ids(info, "yes")
+    with pytest.raises(EmptyLanguageError, match="end-of-sequence"):
+        compile_regex("(yes|no)", arts, CompileOptions(allowed_tokens=yes))
+    V = int(arts.vocab_size)
+    c = compile_regex("(yes|no)", arts, CompileOptions(allowed_tokens=yes + list(arts.eos_ids) + [V, V + 7]))
+    assert _accepted_sequences(c, 4) == {tuple(yes)}
+    with pytest.raises(InvalidOptionError):
+        CompileOptions(allowed_tokens=[])
+    with pytest.raises(InvalidOptionError):
+        CompileOptions(allowed_tokens=[1, -2])
+    assert CompileOptions(allowed_tokens=[5, 1, 5]) == CompileOptions(allowed_tokens=(1, 5))
+    assert CompileOptions(allowed_tokens=[1, 5]) != CompileOptions(allowed_tokens=[1, 6])
+    assert CompileOptions(allowed_tokens=[1, 5]) != CompileOptions()
+
+
 # --- fast path == pynini path ----------------------------------------------------------------------------
 
 

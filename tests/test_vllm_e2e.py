@@ -670,6 +670,31 @@ def test_ignore_eos_output_stays_constrained(server, tok, eos_ids):
             _assert_canonical(tok, c["text"], ids[:end])
 
 
+def test_allowed_token_ids_are_part_of_the_constraint(server, tok, eos_ids):
+    # vLLM masks the tokens outside allowed_token_ids after the grammar's bitmask: a constraint whose
+    # canonical path needs another token left a row without a token (HTTP 500 before). fst builds the
+    # automaton from the allowed tokens, so every row keeps one, or the request is a 400.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    allowed = sorted({i for w in ('{"a": 1}', '{"a":12}', "3", "45", "{", "}", '"', "a", ":")
+                      for i in tok.encode(w, add_special_tokens=False)} | eos_ids)
+    for seed, xargs in ((1, {}), (2, {}), (3, {"vllm_xargs": {"fst_jump": True}})):
+        r = _completion(server, {"structured_outputs": {"json": schema}, **xargs}, "Give JSON:", max_tokens=30,
+                        temperature=0.9, seed=seed, allowed_token_ids=allowed)
+        assert r.status_code == 200, r.text
+        [c] = r.json()["choices"]
+        assert isinstance(json.loads(c["text"])["a"], int), c["text"]
+        ids = [t for t in c["token_ids"] if t not in eos_ids]
+        assert set(ids) <= set(allowed), c
+        _assert_canonical(tok, c["text"], ids)
+    maybe = tok.encode("maybe", add_special_tokens=False)
+    r = _completion(server, {"guided_regex": "(yes|no)"}, "Yes or no?", allowed_token_ids=maybe + sorted(eos_ids))
+    assert r.status_code == 400 and "allowed token ids" in r.text, r.text
+    yes = tok.encode("yes", add_special_tokens=False)
+    r = _completion(server, {"guided_regex": "(yes|no)"}, "Yes or no?", allowed_token_ids=yes)
+    assert r.status_code == 400 and "end-of-sequence" in r.text, r.text
+
+
 def test_server_still_healthy(server):
     import requests
 

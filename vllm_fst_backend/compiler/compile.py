@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import time
 
-from ..errors import InvalidOptionError
+import numpy as np
+
+from ..errors import EmptyLanguageError, InvalidOptionError
 from .compiled import CompiledAutomaton
 from .options import CompileOptions
 from .regex_to_bytes import byte_dfa_table, regex_to_char_dfa
@@ -61,6 +63,30 @@ def _allowed_ranges(scripts):
     for name in scripts:
         rs.extend(script_ranges(name))
     return normalize_ranges(rs)
+
+
+def allowed_token_mask(options: CompileOptions, artifacts) -> np.ndarray | None:
+    """``bool[V]`` of ``options.allowed_tokens`` (None when every token is allowed). Ids at or past the
+    tokenizer's vocabulary size V are left out: no automaton row holds them (a model's embedding may
+    have more rows than the tokenizer has tokens, and vLLM checks ids against the model's size).
+
+    Raises:
+        EmptyLanguageError: no end-of-sequence id is allowed (no output could end; the automaton's
+            accepting states end with one).
+    """
+    ids = options.allowed_tokens
+    if ids is None:
+        return None
+    V = int(artifacts.vocab_size)
+    mask = np.zeros(V, dtype=bool)
+    arr = np.asarray(ids, dtype=np.int64)
+    mask[arr[arr < V]] = True
+    eos = [int(e) for e in artifacts.eos_ids]
+    if eos and not mask[eos].any():
+        raise EmptyLanguageError(
+            f"the allowed token ids hold no end-of-sequence token ({', '.join(map(str, eos))}): "
+            "no output of the constraint could end", None)
+    return mask
 
 
 def prepare(artifacts, canonical: bool = True) -> None:
@@ -134,20 +160,31 @@ def compile_regex(regex: str, artifacts, options: CompileOptions | None = None, 
     # canonical mode: byte tokens as plain 1-byte tokens here; the canonical byte policy (whole characters
     # without a piece) is enforced by the canonical product (an acceptor component), see canonical_product
     policy = "no_ascii_with_piece" if options.canonical else options.byte_policy
-    tdfa = build_token_dfa(bdfa, trie, policy, deadline=deadline, max_states=b.max_token_states)
-    t4 = time.perf_counter()
-    stats.update(char_states=cdfa.num_states, byte_states=bdfa.num_states, token_states=tdfa.num_states,
-                 ms_char=1e3 * (t1 - t0), ms_byte=1e3 * (t2 - t1), ms_trie=1e3 * (t3 - t2), ms_token=1e3 * (t4 - t3))
+    mask = allowed_token_mask(options, artifacts)
+    stats.update(char_states=cdfa.num_states, byte_states=bdfa.num_states, ms_char=1e3 * (t1 - t0),
+                 ms_byte=1e3 * (t2 - t1), ms_trie=1e3 * (t3 - t2))
+    try:
+        out = _token_stages(bdfa, trie, policy, mask, artifacts, options, b, deadline, cdfa.num_states, stats, t3)
+    except EmptyLanguageError as e:
+        if mask is None:
+            raise
+        raise EmptyLanguageError(f"{e}, using only the {len(options.allowed_tokens)} allowed token ids", None) from None
+    out.stats["ms_total"] = 1e3 * (time.perf_counter() - t0)
+    return out
+
+
+def _token_stages(bdfa, trie, policy, mask, artifacts, options, b, deadline, n_char_states, stats, t3):
+    """Steps 4-5 of the module docstring: the token DFA (tokens of ``mask`` only, when given) and the
+    canonical product or the explicit automaton."""
+    tdfa = build_token_dfa(bdfa, trie, policy, deadline=deadline, max_states=b.max_token_states, token_mask=mask)
+    stats.update(token_states=tdfa.num_states, ms_token=1e3 * (time.perf_counter() - t3))
     eos = artifacts.eos_ids
     V = int(artifacts.vocab_size)
     if options.canonical:
         from .canonical_product import canonical_automaton
 
-        out = canonical_automaton(tdfa, artifacts, trie, eos, V, deadline=deadline, n_char_states=cdfa.num_states,
-                                  max_product_states=b.max_product_states, stats=stats)
-    else:
-        from .explicit import explicit_from_token_dfa
+        return canonical_automaton(tdfa, artifacts, trie, eos, V, deadline=deadline, n_char_states=n_char_states,
+                                   max_product_states=b.max_product_states, stats=stats)
+    from .explicit import explicit_from_token_dfa
 
-        out = explicit_from_token_dfa(tdfa, eos, V, stats=stats)
-    out.stats["ms_total"] = 1e3 * (time.perf_counter() - t0)
-    return out
+    return explicit_from_token_dfa(tdfa, eos, V, stats=stats)

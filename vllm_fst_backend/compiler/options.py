@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import InvalidOptionError
 
-__all__ = ["CompileOptions", "env_flag", "TRUE_WORDS", "FALSE_WORDS"]
+__all__ = ["CompileOptions", "env_flag", "normalize_token_ids", "TRUE_WORDS", "FALSE_WORDS"]
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off"})
@@ -31,6 +33,30 @@ def env_flag(name: str, default: bool, strict: bool = False) -> bool:
     return True
 
 
+def normalize_token_ids(ids, name: str) -> tuple[int, ...]:
+    """``ids`` (an iterable of token ids) as a sorted tuple of distinct ints.
+
+    Raises:
+        InvalidOptionError: ``ids`` is not an iterable, is empty, or holds a bool, a non-integer or a
+            negative id (the message names ``name``). Ids past the vocabulary are the compiler's check
+            (it knows the vocabulary size).
+    """
+    if isinstance(ids, (str, bytes)):
+        raise InvalidOptionError(f"{name} must be a list of token ids, got {ids!r}")
+    try:
+        items = list(ids)
+    except TypeError:
+        raise InvalidOptionError(f"{name} must be a list of token ids, got {ids!r}") from None
+    if not items:
+        raise InvalidOptionError(f"{name} must not be empty")
+    out = set()
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+            raise InvalidOptionError(f"{name} must hold non-negative integer token ids, got {i!r}")
+        out.add(int(i))
+    return tuple(sorted(out))
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """Options of :func:`compile_regex` (hashable: part of the cache key).
@@ -45,14 +71,23 @@ class CompileOptions:
         allow_ascii_byte_tokens: SentencePiece only, non-canonical mode: also allow byte-fallback
             tokens for ASCII bytes that have a piece (byte policy ``"all"`` instead of
             ``"no_ascii_with_piece"``, 000 §4.3). Ignored in canonical mode (policy ``"canonical"``).
+        allowed_tokens: ``None`` (every token) or the token ids the output may use (vLLM's
+            ``allowed_token_ids``; any iterable of ints, normalized to a sorted tuple of distinct ids):
+            the automaton is built from these tokens only (the token DFA's composition drops the others,
+            so the dead-end analysis sees only paths through them), plus the end-of-sequence ids, of which
+            at least one must be among them for an output to end. Compared and shown by
+            ``allowed_digest`` (sha256 of the ids, 16 hex digits), not by the ids themselves.
 
     Raises:
-        InvalidOptionError: a non-bool flag, an unknown script name, an empty script tuple.
+        InvalidOptionError: a non-bool flag, an unknown script name, an empty script tuple, an
+            ``allowed_tokens`` that is empty or holds a negative or non-integer id.
     """
 
     canonical: bool = True
     scripts: tuple[str, ...] | None = None
     allow_ascii_byte_tokens: bool = False
+    allowed_tokens: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    allowed_digest: str | None = field(default=None, init=False)
 
     def __post_init__(self):
         if not isinstance(self.canonical, bool):
@@ -78,6 +113,11 @@ class CompileOptions:
             if not norm:
                 raise InvalidOptionError(f"scripts must name at least one script of {', '.join(SCRIPT_NAMES)}")
             object.__setattr__(self, "scripts", tuple(sorted(set(norm))))
+        if self.allowed_tokens is not None:
+            ids = normalize_token_ids(self.allowed_tokens, "allowed_tokens")
+            object.__setattr__(self, "allowed_tokens", ids)
+            digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+            object.__setattr__(self, "allowed_digest", digest)
 
     @property
     def byte_policy(self) -> str:

@@ -252,6 +252,7 @@ def build_token_dfa(
     max_states: int = 50_000,
     max_edges: int = 20_000_000,
     backend: str = "numba",
+    token_mask: np.ndarray | None = None,
 ) -> TokenDFA:
     """Compose the byte DFA with the detokenizer of ``trie`` under ``byte_policy`` (module docstring;
     paper 001 Alg. 2, 004 Eq. 3).
@@ -269,6 +270,10 @@ def build_token_dfa(
         backend: ``"numba"`` (compiled kernels of :mod:`.kernels`, the default) or ``"numpy"`` (the
             vectorized reference path). Both give identical arrays (``tests/test_compiler.py``) unless two
             groups' hash sums collide (:class:`_FusedWalk`).
+        token_mask: ``bool[V]`` or None: the tokens the automaton may use (a request's
+            ``allowed_token_ids``); the others are left out of the composition like the tokens the byte
+            policy excludes (under the ``"canonical"`` policy a byte-fallback token left out rejects its
+            byte inside a character), so trimming and the empty-language check see only these.
 
     Returns:
         The trimmed :class:`TokenDFA`.
@@ -290,6 +295,8 @@ def build_token_dfa(
     M = len(ct.parent)
     # groups = class nodes where at least one enabled token ends
     mask = policy_token_mask(trie, byte_policy)
+    if token_mask is not None:
+        mask &= np.asarray(token_mask, dtype=bool)
     tok_cid = np.full(V, -1, dtype=np.int32)
     has_node = mask & (trie.tok_node >= 0)
     tok_cid[has_node] = ct.node_cid[trie.tok_node[has_node]]
@@ -314,6 +321,9 @@ def build_token_dfa(
             bf_acc = _gadget((tuple(ranges),))  # int32[a, 256]: >=0 inner, -2 exit, -1 reject
             bf_tok = trie.byte_fallback
             has_bf = bf_tok >= 0
+            if token_mask is not None:  # a byte whose token is left out: no character spelled with it
+                bf_acc = bf_acc.copy()
+                bf_acc[:, has_bf & ~np.asarray(token_mask, dtype=bool)[np.maximum(bf_tok, 0)]] = -1
             token_group[bf_tok[has_bf]] = G + np.flatnonzero(has_bf).astype(np.int32)
             G += 256
 

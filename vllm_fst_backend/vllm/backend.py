@@ -279,7 +279,7 @@ class FstBackend(_BackendBase):
             return self.compile_request(
                 request_type,
                 spec,
-                options=parse_request_options(getattr(sp, "extra_args", None)),
+                options=parse_request_options(getattr(sp, "extra_args", None), getattr(sp, "allowed_token_ids", None)),
                 whitespace_pattern=whitespace_of(so_req.params),
                 stop_token_ids=stop_ids,
                 request_id=request.request_id,

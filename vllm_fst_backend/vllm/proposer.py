@@ -150,7 +150,7 @@ class FstForcedTokenProposer:
         if so is None:
             return _JumpState(disabled=True)
         try:
-            options = parse_request_options(getattr(sp, "extra_args", None))
+            options = parse_request_options(getattr(sp, "extra_args", None), getattr(sp, "allowed_token_ids", None))
         except InvalidOptionError:
             return _JumpState(disabled=True)
         if not options.jump:

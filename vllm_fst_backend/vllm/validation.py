@@ -152,7 +152,7 @@ def validate_structured_outputs(params: Any, orig: Any, model_config: Any, so_co
         VLLMValidationError: HTTP 400 with the fst message.
     """
     try:
-        options = parse_request_options(getattr(params, "extra_args", None))
+        options = parse_request_options(getattr(params, "extra_args", None), getattr(params, "allowed_token_ids", None))
     except InvalidOptionError as e:
         raise validation_error(f"fst: {e}", parameter="vllm_xargs") from None
     so = params.structured_outputs
@@ -299,7 +299,7 @@ def plan_precheck(request: Any) -> PrecheckPlan | None:
     if so is None or not env_flag("VLLM_FST_VALIDATE_COMPILE", True):
         return None
     try:
-        options = parse_request_options(getattr(request, "vllm_xargs", None))
+        options = parse_request_options(getattr(request, "vllm_xargs", None), getattr(request, "allowed_token_ids", None))
         kind, spec = params_kind(so)
         check_input_limits(kind, spec)
     except (FstBackendError, TypeError):
