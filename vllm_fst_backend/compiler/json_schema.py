@@ -67,14 +67,17 @@ Enforced exactly:
   ``minContains`` / ``maxContains``, ``if`` / ``then`` / ``else``) are never split between two schemas,
   and an ``unevaluated*`` keyword never sees what its siblings evaluate; ``not: false``;
 * ``$ref`` to ``#``, ``#/$defs/...``, ``#/definitions/...`` or any JSON pointer into the document
-  (``~0``, ``~1``, percent-decoding); the regex of each target is built once;
+  (``~0``, ``~1``, percent-decoding); the regex of each target is built once; a ``$ref`` through an
+  identifier the document holds (an embedded resource's ``$id`` / drafts 4-6's ``id``, relative to the
+  base URI of its location, an ``$anchor``) is first rewritten to the pointer of its target
+  (:mod:`.json_refs`, resolved by the ``referencing`` library as ``jsonschema`` resolves it);
 * boolean schemas: ``true`` = any value (bounded depth), ``false`` = no value.
 
 Ignored (annotations, no effect on validity): ``title``, ``description``, ``default``, ``examples``,
 ``$comment``, ``$schema`` (every draft is read as 2020-12: keywords whose meaning changed are refused),
 ``deprecated``, ``readOnly``, ``writeOnly``, ``contentMediaType``, ``contentEncoding``, ``contentSchema``,
-``$anchor`` / ``$dynamicAnchor`` (references to anchors are refused), ``$vocabulary``, ``$defs`` /
-``definitions`` (read through ``$ref``), ``$id`` at the root, ``discriminator`` (an OpenAPI hint next to
+``$anchor`` / ``$dynamicAnchor`` (references to ``$anchor`` are resolved, above), ``$vocabulary``, ``$defs`` /
+``definitions`` (read through ``$ref``), ``$id`` (identifiers: above), ``discriminator`` (an OpenAPI hint next to
 ``oneOf``, which is enforced), ``then`` / ``else`` without ``if``, ``minContains`` / ``maxContains``
 without ``contains``; every keyword no draft defines (vendor extensions and typos: ``nullable``,
 ``example``, ``x-...``, ``@context``; draft 2020-12 collects unknown keywords as annotations and
@@ -88,15 +91,15 @@ whose negation cannot be written (:meth:`_Converter.negation` writes it for a bo
 numeric bounds --, one bound alone: its other side, ``required`` names, one property's schema), an ``if``
 whose negation cannot be written (``if`` I ``then`` T ``else`` E is the union of I and T with not I and E;
 not I as for ``not``, without the non-integer numbers), other ``contains``, other ``patternProperties``, ``$dynamicRef``,
-``$recursiveRef``, remote / relative / anchor ``$ref``, ``$id`` below the root, other ``multipleOf``,
+``$recursiveRef``, a ``$ref`` to a URI the document does not hold (remote, a meta-schema: never fetched),
+other ``multipleOf``,
 non-integer number bounds, other ``format`` values a draft defines (``idn-hostname``, ``uri-template``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
 and Python meanings differ or that our parser lacks (``\\W``, ``(?...)`` other than ``(?:``, ``{,n}``,
 ``[]``, lookaround, backreferences, ``\\b``, ``\\p{..}``, ``\\D`` / ``\\S`` inside a class), ``pattern``
 with ``format``, ``uniqueItems`` beyond the cases above, the object keywords above when they do not
 always hold, ``oneOf`` not provably disjoint, ``allOf`` / sibling merges that interact, keywords of older
-drafts (``additionalItems``, ``items`` as an array, boolean ``exclusiveMinimum``, ``id`` below the root
-naming a resource of its own, ...). A recursive ``$ref`` (a target reachable from itself)
+drafts (``additionalItems``, ``items`` as an array, boolean ``exclusiveMinimum``, ...). A recursive ``$ref`` (a target reachable from itself)
 is refused with ``regular=False``: the language is not regular, a fallback backend may serve it.
 
 Other errors: :class:`~vllm_fst_backend.errors.InvalidSchemaError` (malformed schema: wrong value types,
@@ -171,6 +174,7 @@ from ..errors import (
     RegexError,
     UnsupportedSchemaError,
 )
+from .json_refs import localize_refs
 from .limits import ENV_VARS, InputLimits, check_schema_obj
 from .regex_parse import (  # escape_literal: re-exported (one shared copy)
     alt_node,
@@ -2353,6 +2357,7 @@ def json_schema_to_regex(schema: dict | bool, whitespace_pattern: str | None = N
     if not isinstance(schema, (dict, bool)):
         raise InvalidSchemaError(f"invalid JSON schema: must be an object or a boolean, got "
                                  f"{type(schema).__name__}")
+    schema = localize_refs(schema)  # ($ref through $id / $anchor: as JSON pointers from the root)
     rx = _Rx(lim.max_regex_chars)
     conv = _Converter(schema, _whitespace(whitespace_pattern, rx, lim), lim.max_regex_chars, deadline,
                       open_objects)
