@@ -417,16 +417,64 @@ def test_pattern_constructs_refused(pattern):
     assert ei.value.keyword == "pattern"
 
 
-def test_pattern_or_format_with_length_only_when_implied():
-    assert json_schema_to_regex({"type": "string", "pattern": "^[a-z]{2,4}$", "minLength": 1, "maxLength": 4})
-    assert json_schema_to_regex({"type": "string", "format": "date", "maxLength": 10})
-    for extra in ({"maxLength": 3}, {"minLength": 5}):
-        with pytest.raises(UnsupportedSchemaError):
-            json_schema_to_regex({"type": "string", "pattern": "^[a-z]{2,4}x$", **extra})
-    with pytest.raises(UnsupportedSchemaError):
-        json_schema_to_regex({"type": "string", "pattern": "a", "maxLength": 9})  # unanchored: unbounded
-    with pytest.raises(UnsupportedSchemaError):
-        json_schema_to_regex({"type": "string", "format": "date", "pattern": "^2"})
+def _random_strings(rnd: random.Random, alphabet: str, n: int, max_len: int) -> list[str]:
+    return [rnd.choice(["", "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, max_len)))])
+            if i % 50 == 0 else "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, max_len)))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("schema,alphabet,words", [
+    ({"type": "string", "pattern": "^[a-z]{2,4}x$", "maxLength": 3}, "abx", []),
+    ({"type": "string", "pattern": "a", "maxLength": 5}, "ab\"\n", ["a", "aaaaa", "bbbba"]),
+    ({"type": "string", "pattern": "^[a-z]+[a-z0-9-]*$", "minLength": 2, "maxLength": 12,
+      "not": {"enum": ["test", "source", "include"]}}, "tesourcinl0-", ["test", "source", "include", "tests", "te"]),
+    ({"type": "string", "not": {"pattern": "^ | $"}, "maxLength": 4}, "a \t\"\n", [" a", "a ", "a", "", "a \n"]),
+    ({"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}], "maxLength": 5}, "ab\\c", ["ab", "acb"]),
+    ({"type": "string", "format": "date", "pattern": "^2024-"}, "20241-03", ["2024-02-29", "2023-02-28",
+                                                                          "2024-13-01"]),
+    ({"type": "string", "not": {"const": "x"}, "minLength": 1}, "xy", ["x", "xx", "y"]),
+    ({"type": "string", "not": {"minLength": 2, "maxLength": 3}}, "ab", ["", "a", "ab", "abc", "abcd"]),
+    ({"type": "string", "pattern": "^[^,]+$", "not": {"pattern": ",,|^-"}, "maxLength": 6}, "a,-\u00e9",
+     ["a-", "-a", "é"]),
+])
+def test_combined_string_keywords_are_exact(schema, alphabet, words):
+    """Patterns with lengths they do not imply, with a format or another pattern, and ``not`` of string
+    keywords: the regex accepts a string (in ``json.dumps``' spelling) exactly when ``jsonschema`` does, and
+    never an invalid text (sampled, mutated)."""
+    rx = assert_never_larger(schema, n=200)
+    c, v = re.compile(rx), validator(schema)
+    rnd = random.Random(5)
+    n_valid = 0
+    for text in words + _random_strings(rnd, alphabet, 3000, 8):
+        ok = v.is_valid(text)
+        n_valid += ok
+        assert bool(c.fullmatch(json.dumps(text, ensure_ascii=False))) == ok, (schema, text)
+    assert n_valid > 0
+
+
+def test_not_of_strings_keeps_the_other_types():
+    for sub in ({"const": "x"}, {"enum": ["a", "b"]}, {"type": "string", "pattern": "^a"}):
+        schema = {"not": sub}
+        c = re.compile(assert_never_larger(schema))
+        for value in (1, None, [], {}, True, "y", "ba"):
+            assert bool(c.fullmatch(compact(value))) == validator(schema).is_valid(value), (sub, value)
+    c = re.compile(json_schema_to_regex({"not": {"pattern": "^a"}}))  # (non-strings pass a pattern: not fails them)
+    assert c.fullmatch('"b"') and not c.fullmatch('"ab"') and not c.fullmatch("1")
+    with pytest.raises(UnsupportedSchemaError):  # (values of other types: not a string language)
+        json_schema_to_regex({"not": {"enum": ["a", 1]}})
+    # a negated pattern must hold every string it matches in ECMA-262's and Python's meanings: \s (ASCII here,
+    # Unicode in Python: "\x1e" is a space there) and a format (its regex is a subset) are refused under not
+    for sub in ({"pattern": "\\s$"}, {"pattern": "^\\d"}, {"format": "email"}):
+        with pytest.raises(UnsupportedSchemaError) as ei:
+            json_schema_to_regex({"type": "string", "not": sub})
+        assert ei.value.keyword == "not"
+
+
+def test_combined_string_keywords_over_the_budget_are_refused():
+    # state elimination of a DFA with many lengths and branches: over MAX_COMBINED_POSITIONS
+    with pytest.raises(UnsupportedSchemaError) as ei:
+        json_schema_to_regex({"type": "string", "format": "email", "maxLength": 255})
+    assert ei.value.keyword == "format" and "too large" in str(ei.value)
 
 
 def test_format_date_exact_calendar():
@@ -1172,14 +1220,15 @@ def _random_condition(rnd: random.Random):
     return rnd.choice([True, False, {"type": "string"}, {"type": ["null", "array"]}, {"minimum": 2},
                        {"exclusiveMaximum": 1}, {"maxLength": 1}, {"minItems": 2}, {"const": 1},
                        {"required": ["a"]}, {"properties": {"a": {"const": 1}}},
-                       {"properties": {"b": {"enum": ["a", None]}}, "required": ["b"]}])
+                       {"properties": {"b": {"enum": ["a", None]}}, "required": ["b"]}, {"pattern": "^a"},
+                       {"enum": ["a", "abc"]}])
 
 
 def _random_new_keyword_schema(rnd: random.Random, depth: int = 0):
     """Random schemas over the keywords converted as unions of merges (if/then/else, dependencies,
     contains, not, propertyNames), nested in objects and arrays."""
     leaf = rnd.choice([{}, {"type": "integer"}, {"type": "string", "maxLength": 2}, {"enum": [1, "a", None]},
-                       {"type": ["number", "string"]}, {"minimum": 1},
+                       {"type": ["number", "string"]}, {"minimum": 1}, {"type": "string", "pattern": "^a", "maxLength": 2},
                        {"type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"enum": ["a", "b", None]}},
                         "additionalProperties": rnd.choice([False, True])}])
     if depth > 1:
@@ -1224,7 +1273,8 @@ def _random_new_keyword_schema(rnd: random.Random, depth: int = 0):
         return s
     return {**leaf, "not": rnd.choice([{"type": "integer"}, {"type": "string"}, {"minimum": 2}, {"maxLength": 1},
                                         {"type": ["null", "boolean"]}, {"required": ["a", "b"]}, {"required": ["b"]},
-                                        {"properties": {"a": {"const": 1}}}])}
+                                        {"properties": {"a": {"const": 1}}}, {"pattern": "^a"}, {"enum": ["a", "ab"]},
+                                        {"const": "abc"}, {"type": "string", "maxLength": 1, "pattern": "b"}])}
 
 
 def test_new_keywords_never_accept_an_invalid_instance():

@@ -128,7 +128,7 @@ def intersect_ranges(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list
 # --- alphabet partition -------------------------------------------------------------------------------
 
 
-def _collect_leaves(node, leaves: dict) -> None:
+def collect_leaves(node, leaves: dict) -> None:
     stack = [node]
     while stack:
         n = stack.pop()
@@ -351,6 +351,7 @@ def build_char_dfa(
     max_states: int = 4000,
     max_follow: int = 1_000_000,
     deadline: float | None = None,
+    leaves: list | None = None,
 ) -> CharDFA:
     """Compile a regex tree (:func:`.regex_parse.parse_regex`) into a trimmed :class:`CharDFA`.
 
@@ -360,6 +361,8 @@ def build_char_dfa(
         max_states: budget on DFA states (subset construction).
         max_follow: budget on the position automaton's follow links.
         deadline: ``time.perf_counter()`` value after which compilation stops.
+        leaves: the CharSets to partition Unicode by, in order (a superset of the tree's own): DFAs of
+            several trees built with one such list share their ``classes`` (:mod:`.regex_algebra`).
 
     Raises:
         CompileBudgetError: a budget was exceeded (``(a|b)*a(a|b){20}``, ``.{5000}``).
@@ -369,7 +372,9 @@ def build_char_dfa(
         deadline = time.perf_counter() + 5.0
     budget = _Budget(deadline, max_follow)
     leaf_index: dict = {}
-    _collect_leaves(tree, leaf_index)
+    if leaves is not None:
+        leaf_index = {leaf: i for i, leaf in enumerate(dict.fromkeys(leaves))}
+    collect_leaves(tree, leaf_index)
     leaves = sorted(leaf_index, key=leaf_index.get)
     classes, leaf_classes = partition(leaves, allowed)
     g = _Glushkov(leaf_index, leaf_classes, budget)

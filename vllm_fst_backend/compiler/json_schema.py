@@ -175,6 +175,7 @@ from ..errors import (
     UnsupportedSchemaError,
 )
 from .json_refs import localize_refs
+from .regex_algebra import ANY_CHAR, combine
 from .limits import ENV_VARS, InputLimits, check_schema_obj
 from .regex_parse import (  # escape_literal: re-exported (one shared copy)
     alt_node,
@@ -259,6 +260,12 @@ _ANNOTATIONS = frozenset({
 })
 _NUMERIC_KW = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 _STRING_KW = frozenset({"minLength", "maxLength", "pattern", "format"})
+#: internal key of a flattened schema: a tuple of ``(schema, pointer)`` string schemas (``pattern``, ``format``,
+#: lengths, string ``enum`` / ``const``) that a string value must fail (``not``); kept through flattening
+#: (a known keyword); a user's document cannot hold a tuple, so a key of that name there is refused
+_NOT_STRING = "\x00not-strings"
+#: keywords of a schema whose ``not`` is written as a string language (:meth:`_Converter.string_negation`)
+_STRING_NEGATABLE = frozenset({"type", "pattern", "format", "minLength", "maxLength", "enum", "const"})
 _ARRAY_KW = frozenset({"items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains",
                        "minContains", "maxContains", "unevaluatedItems"})
 _OBJECT_KW = frozenset({"properties", "required", "additionalProperties", "unevaluatedProperties",
@@ -266,7 +273,7 @@ _OBJECT_KW = frozenset({"properties", "required", "additionalProperties", "uneva
                         "dependentRequired", "dependentSchemas"})
 _GENERIC_KW = frozenset({"type", "enum", "const", "$ref", "allOf", "anyOf", "oneOf", "not", "if", "then",
                          "else", "$id"})
-_KNOWN = _ANNOTATIONS | _NUMERIC_KW | _STRING_KW | _ARRAY_KW | _OBJECT_KW | _GENERIC_KW
+_KNOWN = _ANNOTATIONS | _NUMERIC_KW | _STRING_KW | _ARRAY_KW | _OBJECT_KW | _GENERIC_KW | {_NOT_STRING}
 #: Keywords of older drafts whose meaning differs in 2020-12 (refused; ``id`` and ``dependencies`` are read
 #: as their 2020-12 equivalents where that is exact: :meth:`_Converter.check_keywords`, :func:`_own_keywords`).
 _OLDER_DRAFTS = frozenset({"dependencies", "additionalItems", "$recursiveRef", "$recursiveAnchor", "id",
@@ -366,6 +373,7 @@ class _R:
 
 
 _EPS = _R("", True, None, cat_node(()))  # the empty string
+_EPS_TREE = ("eps",)
 _PARSE = object()  # (make: the tree of a fixed or given text, from the fragment parser)
 
 
@@ -844,6 +852,8 @@ class _Converter:
         for k in d:
             if not isinstance(k, str):
                 raise self.invalid(str(k), ptr, "is not a string keyword")
+            if k == _NOT_STRING and not isinstance(d[k], tuple):
+                raise self.invalid(repr(k), ptr, "is not a keyword")
             if k in _KNOWN or _is_annotation(k):
                 continue
             if k == "id" and (ptr == "" or not _embeds_resource(d[k])):
@@ -1075,6 +1085,10 @@ class _Converter:
             for name, sub in py.items():
                 out[name] = sub if name not in out or _json_equal(out[name], sub) else {"allOf": [out[name], sub]}
             return out
+        if k == "pattern":  # both apply: the string keywords' intersection (type_string)
+            return tuple(dict.fromkeys((x if isinstance(x, tuple) else (x,)) + (y if isinstance(y, tuple) else (y,))))
+        if k == _NOT_STRING:
+            return tuple(x) + tuple(y)
         if k == "uniqueItems":
             return bool(x) or bool(y)
         raise self.refuse("allOf", ptr, f"cannot merge two different '{k}' values into one schema")
@@ -1296,8 +1310,29 @@ class _Converter:
                 (name, s), = props.items()
                 fails = {"type": "object", "required": [name], "properties": {name: {"not": s}}}
                 return {"anyOf": [{"type": "object", "properties": {name: False}}, fails]} if req else fails
-        raise self.refuse(kw, ptr, f"{kw}: only a boolean, 'type' alone, one bound alone, one 'required' name "
+        if isinstance(sub, dict) and sub.keys() <= _STRING_NEGATABLE and sub.keys() - {"type"}:
+            neg = self.string_negation(sub, ptr)
+            if neg is not None:
+                return neg
+        raise self.refuse(kw, ptr, f"{kw}: only a boolean, 'type' alone, one bound alone, one 'required' name, "
+                                   f"string keywords (pattern, format, lengths, string enum / const) "
                                    f"or one property's schema can be negated here")
+
+    def string_negation(self, sub: dict, ptr: str) -> dict | None:
+        """The values failing ``sub``, a schema of string keywords (:data:`_STRING_NEGATABLE`), or None when
+        ``sub`` is not one (a ``type`` other than ``"string"``, non-string ``enum`` / ``const`` values): the
+        strings it does not match (:data:`_NOT_STRING`, written by :meth:`combined_string`), and the other
+        types where ``sub`` rejects them (a ``type`` or ``enum`` / ``const``; ``pattern``, ``format`` and the
+        lengths hold for every non-string)."""
+        if "type" in sub and self.norm_types(sub["type"], ptr) != {"string"}:
+            return None
+        values = [sub["const"]] if "const" in sub else sub.get("enum")
+        if values is not None and (not isinstance(values, list) or not all(isinstance(v, str) for v in values)):
+            return None
+        strings = {"type": "string", _NOT_STRING: ((sub, ptr),)}
+        if "type" in sub or values is not None:
+            return {"anyOf": [{"type": [t for t in _TYPE_NAMES if t != "string"]}, strings]}
+        return strings
 
     def not_keyword(self, d: dict, ptr: str) -> Any:
         """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and the
@@ -1632,20 +1667,98 @@ class _Converter:
         hi = self.nonneg_int(d, "maxLength", ptr)
         if hi is not None and hi < lo:
             return None
+        if d.get(_NOT_STRING) or isinstance(d.get("pattern"), tuple) or ("format" in d and "pattern" in d):
+            return self.combined_string(d, ptr, lo, hi)
         if "format" in d or "pattern" in d:
-            if "format" in d and "pattern" in d:
-                raise self.refuse("pattern", ptr, "pattern together with format is not supported")
             kw = "format" if "format" in d else "pattern"
             content, (c_lo, c_hi) = self.format(d, ptr) if kw == "format" else self.pattern(d, ptr, lo, hi)
             if content is None:
                 return None
             if c_lo < lo or (hi is not None and (c_hi is None or c_hi > hi)):
-                raise self.refuse(kw, ptr, f"{kw} together with minLength/maxLength is not supported (unless "
-                                           f"every {kw} match satisfies them)")
+                return self.combined_string(d, ptr, lo, hi)  # (the lengths do not follow from the pattern)
             return self.rx.cat(self.rx.lit('"'), content, self.rx.lit('"'))
         if lo == 0 and hi is None:
             return self.string
         return self.rx.cat(self.rx.lit('"'), self.rx.rep(self.string_char, lo, hi), self.rx.lit('"'))
+
+    #: budget of a combined string constraint's regex (:func:`.regex_algebra.combine`, positions)
+    MAX_COMBINED_POSITIONS = 4_000
+
+    def combined_string(self, d: dict, ptr: str, lo: int, hi: int | None) -> _R | None:
+        """A string whose keywords combine (``pattern`` with lengths it does not imply, with ``format`` or with
+        another ``pattern``; a ``not`` of string keywords): the strings of ``lo`` to ``hi`` characters that
+        every pattern and format matches and no :data:`_NOT_STRING` schema does, as one regex over decoded
+        characters (:func:`.regex_algebra.combine`: DFA intersection and complement, back by state
+        elimination), then in its JSON-escaped spelling (:meth:`emit_pattern`: one spelling per character,
+        the pattern rule)."""
+        kw = "pattern" if "pattern" in d else "format" if "format" in d else "not"
+        pos = self.string_trees(d, ptr)
+        neg = []
+        for sub, sub_ptr in d.get(_NOT_STRING, ()):
+            t = self.string_language(sub, sub_ptr)
+            if t is not None:  # (a schema no string matches: every string fails it)
+                neg.append(t)
+        tree = self.combine_strings(kw, ptr, pos, neg, lo, hi)
+        if tree is None:
+            return None
+        return self.rx.cat(self.rx.lit('"'), self.emit_pattern(_with_raw_chars(tree)), self.rx.lit('"'))
+
+    def string_language(self, sub: dict, ptr: str) -> tuple | None:
+        """Tree (decoded characters) of the strings a schema of string keywords matches (a superset where
+        the meanings of a pattern differ: :meth:`string_trees`, ``negated``); None: none."""
+        trees = self.string_trees(sub, ptr, negated=True)
+        values = [sub["const"]] if "const" in sub else sub.get("enum")
+        if values is not None:
+            if not values:
+                return None
+            trees.append(alt_node([literal_node(v) for v in dict.fromkeys(values)]))
+        lo = self.nonneg_int(sub, "minLength", ptr, 0)
+        hi = self.nonneg_int(sub, "maxLength", ptr)
+        if hi is not None and hi < lo:
+            return None
+        return self.combine_strings("not", ptr, trees, [], lo, hi)
+
+    def combine_strings(self, kw: str, ptr: str, pos: list, neg: list, lo: int, hi: int | None) -> tuple | None:
+        try:
+            return combine(pos, neg, lo, hi, max_positions=self.MAX_COMBINED_POSITIONS, deadline=self.deadline
+                           if self.deadline is not None else time.perf_counter() + 5.0)
+        except CompileBudgetError as e:
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                raise
+            raise self.refuse(kw, ptr, f"{kw} combined with the other string keywords is too large to convert "
+                                       f"({e})") from None
+
+    def string_trees(self, d: dict, ptr: str, negated: bool = False) -> list:
+        """Trees (decoded characters, full match) of the ``pattern`` values (a search: any text on a side
+        without an anchor) and the ``format`` of ``d``. ``negated`` (the schema of a ``not``): the trees must
+        hold every string the keyword matches, in ECMA-262's meaning and in Python's (``jsonschema``'s): a
+        ``$`` also before a final newline (Python), and the constructs whose meanings differ, or that the
+        translation narrows (``\\d \\w \\s`` and their negations, ``format``: a subset), are refused."""
+        pats = d.get("pattern")
+        out = []
+        for pat in pats if isinstance(pats, tuple) else () if pats is None else (pats,):
+            if not isinstance(pat, str):
+                raise self.invalid("pattern", ptr, f"must be a string, got {pat!r}")
+            if negated and re.search(r"(?<!\\)(\\\\)*\\[dswDSW]", pat):
+                raise self.refuse("not", ptr, f"not of a pattern with \\d, \\w or \\s ({pat!r}): their ECMA-262 and "
+                                              f"Python meanings differ")
+            parts = []
+            for text, left, right in (_edge_anchors(a) for a in _split_alternatives(self.prescan_pattern(pat, ptr))):
+                t = self.parse_pattern(text, pat, ptr)
+                anywhere = rep_node(ANY_CHAR, 0, None)
+                end = _EPS_TREE if not negated else rep_node(literal_node("\n"), 0, 1)
+                parts.append(cat_node([anywhere if not left else _EPS_TREE, t, anywhere if not right else end]))
+            out.append(alt_node(parts))
+        if "format" in d and negated:
+            raise self.refuse("not", ptr, "not of a format is not supported (its regex is a subset of the format)")
+        if "format" in d:
+            self.format(d, ptr)  # (its checks)
+            tree = parse_regex(_FORMATS[d["format"]], max_positions=10**6)
+            if _matches_raw_chars(tree):
+                raise self.refuse("format", ptr, f"format {d['format']!r} together with other string keywords is not "
+                                                 f"supported")
+            out.append(tree)
+        return out
 
     def format(self, d: dict, ptr: str) -> tuple[_R, tuple[int, int | None]]:
         fmt = d["format"]
@@ -2449,6 +2562,40 @@ def _outside_classes(text: str):
             yield i, c, depth
             depth += c == "("
         i += 1
+
+
+def _matches_raw_chars(tree) -> bool:
+    """Whether a tree (over characters) can match a character JSON escapes (:data:`_RAW_CHAR_CPS`)."""
+    stack = [tree]
+    while stack:
+        n = stack.pop()
+        if n[0] == "sym":
+            chars, negated = n[1]
+            cps = {ord(c) for c in chars}
+            if (not negated and cps & _RAW_CHAR_CPS) or (negated and not _RAW_CHAR_CPS <= cps):
+                return True
+        elif n[0] in ("cat", "alt"):
+            stack.extend(n[1])
+        elif n[0] == "rep":
+            stack.append(n[1])
+    return False
+
+
+def _with_raw_chars(tree):
+    """``tree`` with each negated set also matching the characters JSON escapes that it does not exclude
+    (as a positive set next to it): :meth:`_Converter.emit_pattern` writes a negated set without them."""
+    kind = tree[0]
+    if kind == "sym":
+        chars, negated = tree[1]
+        if not negated:
+            return tree
+        raw = frozenset(chr(c) for c in _RAW_CHAR_CPS) - chars
+        return alt_node([tree, ("sym", (raw, False))]) if raw else tree
+    if kind in ("cat", "alt"):
+        return (kind, tuple(_with_raw_chars(c) for c in tree[1]))
+    if kind == "rep":
+        return ("rep", _with_raw_chars(tree[1]), tree[2], tree[3])
+    return tree
 
 
 def _split_alternatives(text: str) -> list[str]:
