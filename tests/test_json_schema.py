@@ -710,8 +710,10 @@ def test_pattern_of_one_class_with_length_bounds():
     assert c.fullmatch('"abc"') and not c.fullmatch('"ab"') and not c.fullmatch('"abcdefghi"')
     with pytest.raises(EmptyLanguageError):
         json_schema_to_regex({"type": "string", "pattern": "^[a-z]{2,3}$", "minLength": 5})
-    with pytest.raises(UnsupportedSchemaError):  # other patterns: still only when every match fits the bounds
-        json_schema_to_regex({"type": "string", "pattern": "^a[a-z]+$", "maxLength": 5})
+    # other patterns: combined with the bounds (regex_algebra)
+    c = re.compile(assert_never_larger({"type": "string", "pattern": "^a[a-z]+$", "maxLength": 5}))
+    for text, ok in [("ab", True), ("abcde", True), ("abcdef", False), ("a", False), ("ba", False)]:
+        assert bool(c.fullmatch(compact(text))) == ok, text
 
 
 @pytest.mark.parametrize("pat", [r"^a|b$", r"^(\d{4}(-\d{2})?$)|(^[a-z]+$)", r"^(?:x$)|^y|z", r"^(ab|cd)$|^e$"])
@@ -836,10 +838,11 @@ def test_any_of_one_of_all_of():
     with pytest.raises(UnsupportedSchemaError) as ei:
         json_schema_to_regex({"allOf": [{"properties": {"a": {}}}, {"additionalProperties": False}]})
     assert ei.value.keyword == "allOf"
-    with pytest.raises(UnsupportedSchemaError):
-        json_schema_to_regex({"not": {"type": "string", "maxLength": 3}})
-    with pytest.raises(UnsupportedSchemaError):
-        json_schema_to_regex({"if": {"const": "a"}, "then": {"minLength": 1}})
+    # not / if of string keywords: string languages (regex_algebra), the other types as they fare
+    for s in ({"not": {"type": "string", "maxLength": 3}}, {"if": {"const": "a"}, "then": {"minLength": 2}}):
+        c = re.compile(assert_never_larger(s))
+        for v in ("", "a", "ab", "abcd", 1, None, []):
+            assert bool(c.fullmatch(compact(v))) == validator(s).is_valid(v), (s, v)
 
 
 _PROBES = [0, 7, -3, 2.0, 1.5, -0.25, 10.05, True, False, None, "", "a", "7", [], [1, "x"], {}, {"a": None}]
@@ -1169,9 +1172,13 @@ def test_if_then_else_discriminated_by_a_property():
               {"kind": "bike", "wheels": 2}, {"kind": "bike", "wheels": 2, "gears": 1}, {"kind": "car"}, {}):
         text = compact(order_instance(v, schema))
         assert bool(c.fullmatch(text)) == is_valid_text(schema, text), v
-    # without an enum for the property, "another value" is not written: refused
-    with pytest.raises(UnsupportedSchemaError):
-        json_schema_to_regex({**schema, "properties": {**schema["properties"], "kind": {"type": "string"}}})
+    # without an enum for the property, "another value" is the strings other than "car" (regex_algebra)
+    schema = {**schema, "properties": {**schema["properties"], "kind": {"type": "string", "maxLength": 5}}}
+    c = re.compile(assert_never_larger(schema))
+    for v in ({"kind": "car", "wheels": 4}, {"kind": "car", "gears": 3}, {"kind": "van", "gears": 3},
+              {"kind": "cars", "wheels": 2}, {"kind": "ca", "gears": 1}):
+        text = compact(order_instance(v, schema))
+        assert bool(c.fullmatch(text)) == is_valid_text(schema, text), v
 
 
 @pytest.mark.parametrize("schema", [

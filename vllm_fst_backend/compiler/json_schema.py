@@ -24,6 +24,11 @@ Enforced exactly:
 * strings: ``minLength`` / ``maxLength`` (code points, an escape counts one); ``pattern`` (translated to
   match the JSON-escaped text, see below; a search: a side without an anchor takes any text, and each
   top-level alternative has its own ``^`` / ``$``, also inside a group that is the whole alternative);
+  keywords that combine -- a ``pattern`` with lengths it does not imply, with a ``format`` or with another
+  ``pattern`` (``allOf``), a ``not`` of string keywords (patterns, lengths, string ``enum`` / ``const``) --
+  as one language over decoded characters (:mod:`.regex_algebra`: DFA intersection and complement, back
+  to a regex by state elimination; a negated pattern holds every string it matches in ECMA-262's meaning
+  and in Python's), written in the pattern rule's single spelling (below);
   ``format`` ``date`` (month lengths, Feb 29 only in leap years, years 0001-9999), ``time`` and ``date-time`` (RFC 3339 with a required offset; enforced even
   where ``jsonschema`` lacks its optional RFC 3339 checker), ``uuid``, ``ipv4`` (octets 0-255, no leading
   zeros), ``ipv6`` (every form ``ipaddress`` reads, ``::`` and IPv4 tails included, no zone index),
@@ -32,8 +37,9 @@ Enforced exactly:
   ``relative-json-pointer`` (without index manipulation),
   ``email`` (a dot-atom subset of what ``jsonschema`` accepts), ``uri`` / ``uri-reference`` /
   ``iri`` / ``iri-reference`` (an RFC 3986 subset, below); ``pattern`` or ``format``
-  together with a length bound only when every match satisfies the bound, or the pattern is one repeated
-  character class anchored at both ends (``^[^,]+$``: the bounds go into its repetition);
+  with a length bound that every match satisfies, or a pattern that is one repeated character class
+  anchored at both ends (``^[^,]+$``: the bounds go into its repetition), as they are; with other length
+  bounds: combined (above);
 * integers: ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (any numbers;
   float bounds rounded inwards) as an exact digit-range regex; ``multipleOf`` 1, 2, 5 or 10;
 * numbers: the same four bounds when they are integer-valued (inclusive: ``|bound| <= 2**53``;
@@ -88,7 +94,8 @@ anchor (``"#name"``).
 Refused with :class:`~vllm_fst_backend.errors.UnsupportedSchemaError` (``keyword``, ``pointer``): a ``not``
 whose negation cannot be written (:meth:`_Converter.negation` writes it for a boolean, types alone --
 ``not: {"type": "integer"}`` leaves the non-integer numbers, with a fraction and no exponent, not next to
-numeric bounds --, one bound alone: its other side, ``required`` names, one property's schema), an ``if``
+numeric bounds --, one bound alone: its other side, ``required`` names, one property's schema, string
+keywords: the strings they do not match), an ``if``
 whose negation cannot be written (``if`` I ``then`` T ``else`` E is the union of I and T with not I and E;
 not I as for ``not``, without the non-integer numbers), other ``contains``, other ``patternProperties``, ``$dynamicRef``,
 ``$recursiveRef``, a ``$ref`` to a URI the document does not hold (remote, a meta-schema: never fetched),
@@ -96,8 +103,9 @@ other ``multipleOf``,
 non-integer number bounds, other ``format`` values a draft defines (``idn-hostname``, ``uri-template``,
 draft 3's ``host-name``, ...), ``pattern`` constructs whose ECMA-262
 and Python meanings differ or that our parser lacks (``\\W``, ``(?...)`` other than ``(?:``, ``{,n}``,
-``[]``, lookaround, backreferences, ``\\b``, ``\\p{..}``, ``\\D`` / ``\\S`` inside a class), ``pattern``
-with ``format``, ``uniqueItems`` beyond the cases above, the object keywords above when they do not
+``[]``, lookaround, backreferences, ``\\b``, ``\\p{..}``, ``\\D`` / ``\\S`` inside a class), combined string
+keywords whose regex exceeds :attr:`_Converter.MAX_COMBINED_POSITIONS` (``format: email`` with ``maxLength``
+255), a ``not`` of a ``format`` or of a pattern with ``\\d`` / ``\\w`` / ``\\s``, ``uniqueItems`` beyond the cases above, the object keywords above when they do not
 always hold, ``oneOf`` not provably disjoint, ``allOf`` / sibling merges that interact, keywords of older
 drafts (``additionalItems``, ``items`` as an array, boolean ``exclusiveMinimum``, ...). A recursive ``$ref`` (a target reachable from itself)
 is refused with ``regular=False``: the language is not regular, a fallback backend may serve it.
@@ -1269,7 +1277,8 @@ class _Converter:
         :attr:`MAX_NEGATED_ONE_OF`) and for ``properties`` of one name, with or without ``required`` (the objects
         where it fails its schema, or is absent when required: the discriminator of ``if`` /
         ``then``; a ``not`` of that property's schema is left to the conversion of the merged branch, which
-        is exact where the property lists its values with ``enum``). Refuses (``kw``) the others."""
+        is exact where the property lists its values with ``enum``, and for string properties through
+        :data:`_NOT_STRING`), and for string keywords (:meth:`string_negation`). Refuses (``kw``) the others."""
         if sub is False:
             return True
         if sub is True or sub == {}:
@@ -1390,11 +1399,17 @@ class _Converter:
         validator = None
         if not (isinstance(origin, dict) and _own_keywords(origin).keys() <= {"enum", "const"}):
             validator = self.validator().evolve(schema=origin)
+        # the internal negations of ``d`` (a merge's result; ``origin`` may not hold them)
+        not_strings = [self.validator().evolve(schema=sub) for sub, _ in d.get(_NOT_STRING, ())]
         alts = []
         for v in values:
             self.tick()
             text = _compact(v)
             if text is None or (validator is not None and not self.valid(validator, v, kw, ptr)):
+                continue
+            if isinstance(v, str) and any(self.valid(n, v, kw, ptr) for n in not_strings):
+                continue
+            if d.get(_NOT_INTEGER) and _is_number(v) and float(v).is_integer():
                 continue
             alts.append(self.rx.lit(text))
         return self.rx.alt(alts)
