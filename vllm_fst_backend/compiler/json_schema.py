@@ -189,6 +189,7 @@ from .regex_parse import (  # escape_literal: re-exported (one shared copy)
     alt_node,
     cat_node,
     escape_literal,
+    estimate_positions,
     fragment_tree,
     literal_node,
     parse_regex,
@@ -500,6 +501,8 @@ _HEX = "[0-9a-fA-F]"
 #: two hex digits are written once after the alternation, so that both branches end in the same positions
 _U_ESCAPE = rf"u([0-9a-cA-CefEF]{_HEX}|[dD][0-7]){_HEX}{{2}}"
 _STRING_CHAR = r'([^"\\\x00-\x1f]|\\(["\\/bfnrt]|' + _U_ESCAPE + "))"
+#: every character JSON escapes (:data:`_RAW_CHAR_CPS`) in ``json.dumps``' spelling, one alternative
+_RAW_SPELLINGS = r'\\(["\\bfnrt]|u00(0[0-7bef]|1[0-9a-f]))'
 _RAW_CHAR_CPS = frozenset(range(0x20)) | {ord('"'), ord("\\")}  # what a raw class must exclude
 _NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 _INTEGER = r"-?(0|[1-9][0-9]*)"
@@ -1330,18 +1333,18 @@ class _Converter:
     def string_negation(self, sub: dict, ptr: str) -> dict | None:
         """The values failing ``sub``, a schema of string keywords (:data:`_STRING_NEGATABLE`), or None when
         ``sub`` is not one (a ``type`` other than ``"string"``, non-string ``enum`` / ``const`` values): the
-        strings it does not match (:data:`_NOT_STRING`, written by :meth:`combined_string`), and the other
-        types where ``sub`` rejects them (a ``type`` or ``enum`` / ``const``; ``pattern``, ``format`` and the
-        lengths hold for every non-string)."""
+        strings it does not match (:data:`_NOT_STRING`, written by :meth:`combined_string`; it constrains
+        strings only), and the values of the other types where ``sub`` rejects them (a ``type`` or ``enum`` /
+        ``const``; ``pattern``, ``format`` and the lengths hold for every non-string)."""
         if "type" in sub and self.norm_types(sub["type"], ptr) != {"string"}:
             return None
         values = [sub["const"]] if "const" in sub else sub.get("enum")
         if values is not None and (not isinstance(values, list) or not all(isinstance(v, str) for v in values)):
             return None
-        strings = {"type": "string", _NOT_STRING: ((sub, ptr),)}
+        # (no anyOf: the internal key stays at the top of the dicts it is merged into, where enum reads it)
         if "type" in sub or values is not None:
-            return {"anyOf": [{"type": [t for t in _TYPE_NAMES if t != "string"]}, strings]}
-        return strings
+            return {"type": list(_TYPE_NAMES), _NOT_STRING: ((sub, ptr),)}
+        return {"type": "string", _NOT_STRING: ((sub, ptr),)}
 
     def not_keyword(self, d: dict, ptr: str) -> Any:
         """``d`` without its ``not``: ``not: false`` drops out, ``not: true`` / ``{}`` admits nothing, and the
@@ -1444,12 +1447,60 @@ class _Converter:
                 r = self.flat(m, sub_ptr, nest, m if isinstance(m, dict) else origin)
             results.append(r)
             merged.append(m)  # all of them: a regex may be empty where the alternative is not
-        if kw == "oneOf":
-            for i in range(len(merged)):
-                for j in range(i + 1, len(merged)):
-                    if not self.disjoint(merged[i], merged[j], 0):
-                        return self.one_of_by_negation(d, rest, ptr, nest)
+        if kw == "oneOf" and not all(self.disjoint(merged[i], merged[j], 0)
+                                     for i in range(len(merged)) for j in range(i + 1, len(merged))):
+            alone = self.one_of_by_types(merged)
+            if alone is None:
+                return self.one_of_by_negation(d, rest, ptr, nest)
+            results = []
+            for i, (m, names) in enumerate(zip(merged, alone)):
+                if m is False or not names:
+                    continue
+                sub_ptr = _ptr_join(ptr, kw, i)
+                m = {"type": names} if m is True else self.merge(m, {"type": names}, sub_ptr)
+                if m is not False:
+                    results.append(self.flat(m, sub_ptr, nest, m))
         return self.rx.alt(results)
+
+    def one_of_by_types(self, merged: list) -> list | None:
+        """For a ``oneOf`` whose flattened alternatives ``merged`` may overlap: per alternative, the type names
+        of the values that it alone can hold, or None when that cannot be told. Type by type (the atoms
+        null, boolean, object, array, string, integer, non-integer number): a type that two alternatives
+        admit without a keyword for it (``{"properties": ...}`` says nothing about strings: a string is
+        valid against both) holds no valid value; one such alternative holds it alone where no other
+        alternative admits the type; else the alternatives that constrain the type must be disjoint on it
+        (:meth:`disjoint_for_type`: numeric ranges, an object's required property)."""
+        keep: list[set] = [set() for _ in merged]
+        for t in _ATOMS:
+            free, bound = [], []
+            for i, m in enumerate(merged):
+                if m is True:
+                    free.append(i)
+                elif m is not False and t in self.type_atoms(m):
+                    (bound if _constrains_type(m, t) else free).append(i)
+            if len(free) >= 2:
+                continue  # every value of the type is valid against two alternatives
+            if free:
+                if bound:
+                    return None
+                keep[free[0]].add(t)
+                continue
+            if any(not self.disjoint_for_type(t, merged[a], merged[b], 0)
+                   for x, a in enumerate(bound) for b in bound[x + 1:]):
+                return None
+            for i in bound:
+                keep[i].add(t)
+        out = []
+        for k in keep:
+            names = [n for n in ("null", "boolean", "object", "array", "string") if n in k]
+            if {"integer", "fraction"} <= k:
+                names.append("number")
+            elif "integer" in k:
+                names.append("integer")
+            elif "fraction" in k:
+                return None  # (the non-integer numbers alone: not written here)
+            out.append(names)
+        return out
 
     #: most alternatives of a ``oneOf`` written as "this one and not the others" (:meth:`one_of_by_negation`)
     MAX_NEGATED_ONE_OF = 4
@@ -1697,15 +1748,16 @@ class _Converter:
         return self.rx.cat(self.rx.lit('"'), self.rx.rep(self.string_char, lo, hi), self.rx.lit('"'))
 
     #: budget of a combined string constraint's regex (:func:`.regex_algebra.combine`, positions)
-    MAX_COMBINED_POSITIONS = 4_000
+    MAX_COMBINED_POSITIONS = 3_000
 
     def combined_string(self, d: dict, ptr: str, lo: int, hi: int | None) -> _R | None:
         """A string whose keywords combine (``pattern`` with lengths it does not imply, with ``format`` or with
         another ``pattern``; a ``not`` of string keywords): the strings of ``lo`` to ``hi`` characters that
         every pattern and format matches and no :data:`_NOT_STRING` schema does, as one regex over decoded
         characters (:func:`.regex_algebra.combine`: DFA intersection and complement, back by state
-        elimination), then in its JSON-escaped spelling (:meth:`emit_pattern`: one spelling per character,
-        the pattern rule)."""
+        elimination), then in its JSON-escaped spelling (:meth:`emit_pattern`: one spelling per character, and
+        negated classes without the characters JSON escapes: the pattern rule). Refused past
+        :attr:`MAX_COMBINED_POSITIONS` positions (before and after the spelling)."""
         kw = "pattern" if "pattern" in d else "format" if "format" in d else "not"
         pos = self.string_trees(d, ptr)
         neg = []
@@ -1716,7 +1768,15 @@ class _Converter:
         tree = self.combine_strings(kw, ptr, pos, neg, lo, hi)
         if tree is None:
             return None
-        return self.rx.cat(self.rx.lit('"'), self.emit_pattern(_with_raw_chars(tree)), self.rx.lit('"'))
+        try:
+            content = self.emit_pattern(tree)
+            n_pos = estimate_positions(content.tree) if content.tree is not None else 0
+        except InputTooLargeError as e:
+            n_pos, content = None, e
+        if n_pos is None or n_pos > self.MAX_COMBINED_POSITIONS:
+            raise self.refuse(kw, ptr, f"{kw} combined with the other string keywords is too large to convert "
+                                       f"({content if n_pos is None else f'{n_pos} positions'})")
+        return self.rx.cat(self.rx.lit('"'), content, self.rx.lit('"'))
 
     def string_language(self, sub: dict, ptr: str) -> tuple | None:
         """Tree (decoded characters) of the strings a schema of string keywords matches (a superset where
@@ -1897,7 +1957,11 @@ class _Converter:
             raw = [ord(c) for c in chars if ord(c) not in _RAW_CHAR_CPS and not 0xD800 <= ord(c) <= 0xDFFF]
             parts = [self.rx.make(_class_text(raw), True) if len(raw) > 1 else
                      self.rx.lit(chr(raw[0])) if raw else None]
-            parts += [self.rx.lit(json.dumps(c)[1:-1]) for c in sorted(chars) if ord(c) in _RAW_CHAR_CPS]
+            escaped = [c for c in sorted(chars) if ord(c) in _RAW_CHAR_CPS]
+            if len(escaped) == len(_RAW_CHAR_CPS):
+                parts.append(self.rx.make(_RAW_SPELLINGS, True))
+            else:
+                parts += [self.rx.lit(json.dumps(c)[1:-1]) for c in escaped]
             return self.rx.alt(parts)
         if kind == "eps":
             return _EPS
@@ -2334,6 +2398,21 @@ _CONTRADICTION = object()
 _ATOMS = ("null", "boolean", "object", "array", "string", "integer", "fraction")
 
 
+#: the keywords that constrain values of one type atom only (the others may constrain any type)
+_TYPE_KEYWORDS = {"null": frozenset(), "boolean": frozenset(), "object": _OBJECT_KW, "array": _ARRAY_KW,
+                  "string": _STRING_KW | {_NOT_STRING}, "integer": _NUMERIC_KW | {_NOT_INTEGER},
+                  "fraction": _NUMERIC_KW | {_NOT_INTEGER}}
+_ALL_TYPE_KEYWORDS = frozenset().union(*_TYPE_KEYWORDS.values())
+
+
+def _constrains_type(d: dict, atom: str) -> bool:
+    """Whether the flattened schema ``d`` may reject some value of type ``atom`` that its ``type`` admits:
+    a keyword of that type, or any keyword that is not specific to one type (``enum``, ``anyOf``, ``not``,
+    ...)."""
+    keys = set(d) - {"type"}
+    return bool(keys - _ALL_TYPE_KEYWORDS) or bool(keys & _TYPE_KEYWORDS[atom])
+
+
 def _atoms(types: set[str]) -> set[str]:
     out = set(types) - {"number"}
     if "number" in types:
@@ -2594,23 +2673,6 @@ def _matches_raw_chars(tree) -> bool:
         elif n[0] == "rep":
             stack.append(n[1])
     return False
-
-
-def _with_raw_chars(tree):
-    """``tree`` with each negated set also matching the characters JSON escapes that it does not exclude
-    (as a positive set next to it): :meth:`_Converter.emit_pattern` writes a negated set without them."""
-    kind = tree[0]
-    if kind == "sym":
-        chars, negated = tree[1]
-        if not negated:
-            return tree
-        raw = frozenset(chr(c) for c in _RAW_CHAR_CPS) - chars
-        return alt_node([tree, ("sym", (raw, False))]) if raw else tree
-    if kind in ("cat", "alt"):
-        return (kind, tuple(_with_raw_chars(c) for c in tree[1]))
-    if kind == "rep":
-        return ("rep", _with_raw_chars(tree[1]), tree[2], tree[3])
-    return tree
 
 
 def _split_alternatives(text: str) -> list[str]:

@@ -18,7 +18,7 @@ import time
 
 from ..errors import CompileBudgetError, EmptyLanguageError
 from .char_dfa import collect_leaves, build_char_dfa, minimize
-from .regex_parse import alt_node, cat_node, estimate_positions, rep_node
+from .regex_parse import alt_node, cat_node, rep_node
 
 __all__ = ["combine", "ANY_CHAR"]
 
@@ -139,15 +139,22 @@ def _label(classes: list, ids) -> tuple:
 
 
 def _to_tree(trans: list[dict], final: list[bool], classes: list, max_positions: int, deadline: float) -> tuple:
-    """State elimination (module docstring) of a trimmed DFA; start state 0."""
+    """State elimination (module docstring) of a trimmed DFA; start state 0. Each edge's size (positions, as
+    :func:`.regex_parse.estimate_positions` counts them, from its parts' sizes) is kept beside it for the
+    budget."""
     n = len(trans)
     S, E = n, n + 1  # new start and end
     out: dict[int, dict[int, tuple]] = {s: {} for s in range(n + 2)}
+    size: dict[tuple, int] = {}
     inn: dict[int, set] = {s: set() for s in range(n + 2)}
 
-    def add(p: int, q: int, t: tuple) -> None:
+    def add(p: int, q: int, t: tuple, n_pos: int) -> None:
         old = out[p].get(q)
         out[p][q] = t if old is None else _alt(old, t)
+        size[p, q] = n_pos + size.get((p, q), 0)
+        if size[p, q] > max_positions:
+            raise CompileBudgetError(f"the combined string constraints' regex exceeds {max_positions} positions",
+                                     None)
         inn[q].add(p)
 
     for s, row in enumerate(trans):
@@ -155,10 +162,10 @@ def _to_tree(trans: list[dict], final: list[bool], classes: list, max_positions:
         for c, t in row.items():
             by_target.setdefault(t, []).append(c)
         for t, cs in by_target.items():
-            add(s, t, _label(classes, cs))
+            add(s, t, _label(classes, cs), 1)
         if final[s]:
-            add(s, E, _EPS)
-    add(S, 0, _EPS)
+            add(s, E, _EPS, 0)
+    add(S, 0, _EPS, 0)
     alive = set(range(n))
     while alive:
         # fewest new paths first; among equals the state numbered last (a chain is eliminated from its
@@ -166,23 +173,20 @@ def _to_tree(trans: list[dict], final: list[bool], classes: list, max_positions:
         k = min(alive, key=lambda s: ((len(inn[s]) - (s in inn[s])) * (len(out[s]) - (s in out[s])), -s))
         alive.discard(k)
         loop = out[k].pop(k, None)
+        loop_size = size.pop((k, k), 0)
         inn[k].discard(k)
         star = rep_node(loop, 0, None) if loop is not None else None
         preds = [p for p in inn[k] if p != k]
-        succs = list(out[k].items())
+        succs = [(q, t, size.pop((k, q))) for q, t in out[k].items()]
         for p in preds:
-            head = out[p].pop(k)
-            for q, tail in succs:
-                add(p, q, _cat([head, star, tail] if star is not None else [head, tail]))
-        for q, _ in succs:
+            head, head_size = out[p].pop(k), size.pop((p, k))
+            for q, tail, tail_size in succs:
+                add(p, q, _cat([head, star, tail] if star is not None else [head, tail]),
+                    head_size + loop_size + tail_size)
+        for q, _, _ in succs:
             inn[q].discard(k)
         out[k] = {}
         inn[k] = set()
-        for p in preds:
-            for q in out[p]:
-                if estimate_positions(out[p][q]) > max_positions:
-                    raise CompileBudgetError(f"the combined string constraints' regex exceeds {max_positions} "
-                                             f"positions", None)
         if time.perf_counter() > deadline:
             raise CompileBudgetError("combining string constraints exceeded the time budget", None)
     return out[S].get(E, None)
