@@ -448,20 +448,7 @@ def build_char_dfa(
 
     # trim: keep states that reach a final state
     n = len(cands)
-    rev: list[list[int]] = [[] for _ in range(n)]
-    for s, row in enumerate(trans):
-        for t in set(row.values()):
-            rev[t].append(s)
-    alive = [False] * n
-    stack = [s for s in range(n) if final[s]]
-    for s in stack:
-        alive[s] = True
-    while stack:
-        t = stack.pop()
-        for s in rev[t]:
-            if not alive[s]:
-                alive[s] = True
-                stack.append(s)
+    alive = coreachable(trans, final)
     if not alive[0]:
         raise EmptyLanguageError("the regex matches no string (under the character filters)", None)
     # every state is reachable from 0 (built from it): keep the alive ones, in order (minimize renumbers)
@@ -478,6 +465,23 @@ def build_char_dfa(
         raise CompileBudgetError("regex compilation exceeded the time budget", None)
     out_trans, out_final = minimize(out_trans, out_final)
     return CharDFA(classes=classes, trans=out_trans, final=out_final)
+
+
+def coreachable(trans: list[dict], final: list[bool]) -> list[bool]:
+    """Per state of a DFA (``trans``: dicts ``class -> next state``): whether a final state is reachable."""
+    rev: list[list[int]] = [[] for _ in range(len(trans))]
+    for s, row in enumerate(trans):
+        for t in set(row.values()):
+            rev[t].append(s)
+    alive = [bool(f) for f in final]
+    stack = [s for s in range(len(trans)) if alive[s]]
+    while stack:
+        t = stack.pop()
+        for s in rev[t]:
+            if not alive[s]:
+                alive[s] = True
+                stack.append(s)
+    return alive
 
 
 def minimize(trans: list[dict], final: list[bool]) -> tuple[list[dict], list[bool]]:

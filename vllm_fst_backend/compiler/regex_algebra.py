@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from ..errors import CompileBudgetError, EmptyLanguageError
-from .char_dfa import collect_leaves, build_char_dfa, minimize
+from .char_dfa import build_char_dfa, collect_leaves, coreachable, minimize
 from .regex_parse import alt_node, cat_node, rep_node
 
 __all__ = ["combine", "ANY_CHAR"]
@@ -34,19 +34,7 @@ MAX_SET_CHARS = 200_000
 
 def _trim(trans: list[dict], final: list[bool]) -> tuple[list[dict], list[bool]] | None:
     """The states reachable from 0 that reach a final state, renumbered (0 first); None when 0 does not."""
-    n = len(trans)
-    rev: list[list[int]] = [[] for _ in range(n)]
-    for s, row in enumerate(trans):
-        for t in set(row.values()):
-            rev[t].append(s)
-    alive = [bool(f) for f in final]
-    stack = [s for s in range(n) if alive[s]]
-    while stack:
-        t = stack.pop()
-        for s in rev[t]:
-            if not alive[s]:
-                alive[s] = True
-                stack.append(s)
+    alive = coreachable(trans, final)
     if not alive[0]:
         return None
     new: dict[int, int] = {0: 0}
