@@ -1297,6 +1297,9 @@ def _random_new_keyword_schema(rnd: random.Random, depth: int = 0):
     {"oneOf": [{"minimum": 5}, {"maximum": 3}]},
     {"oneOf": [{"type": "string"}, {"maxLength": 3}]},
     {"oneOf": [True, {"type": "string"}]},
+    # strings told apart by their patterns / lengths (the intersection of the two languages is empty)
+    {"type": "string", "oneOf": [{"pattern": "^[0-9]+$"}, {"pattern": "^[a-z]+$"}, {"minLength": 9}]},
+    {"type": "string", "oneOf": [{"pattern": "^ab"}, {"pattern": "b$", "maxLength": 2}]},
     {"type": ["object", "string"], "oneOf": [{"required": ["a"]}, {"required": ["b"]}, {"type": "string"}]},
 ])
 def test_one_of_split_by_type(schema):
@@ -1304,7 +1307,8 @@ def test_one_of_split_by_type(schema):
     v = validator(schema)
     rnd = random.Random(11)
     values = [{"t": "a", "n": 1}, {"t": "b"}, {"t": "a"}, {"t": "c"}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}, {},
-              "", "abcd", "ab", 0, 4, 5, 2.5, None, True, [], [1]] + [_random_value(rnd) for _ in range(300)]
+              "", "abcd", "ab", "12", "abcdefghijk", "123456789", "b", "xb", "abb", 0, 4, 5, 2.5, None, True, [],
+              [1]] + [_random_value(rnd) for _ in range(300)]
     agree = 0
     for x in values:
         hit = bool(c.fullmatch(compact(x)))

@@ -176,6 +176,7 @@ from urllib.parse import unquote
 from ..errors import (
     CompileBudgetError,
     EmptyLanguageError,
+    FstBackendError,
     InputTooLargeError,
     InvalidOptionError,
     InvalidSchemaError,
@@ -1570,6 +1571,8 @@ class _Converter:
     def disjoint_for_type(self, t: str, a: dict, b: dict, depth: int) -> bool:
         if t in ("integer", "fraction"):
             return _ranges_disjoint(_numeric_range(a), _numeric_range(b))
+        if t == "string":
+            return self.strings_disjoint(a, b)
         if t != "object":
             return False
         for x, y in ((a, b), (b, a)):
@@ -1802,6 +1805,36 @@ class _Converter:
                 raise
             raise self.refuse(kw, ptr, f"{kw} combined with the other string keywords is too large to convert "
                                        f"({e})") from None
+
+    def strings_disjoint(self, a: dict, b: dict) -> bool:
+        """True only when no string is valid against both flattened schemas: the intersection of supersets of
+        their string languages is empty (:func:`.regex_algebra.combine`; patterns widened as under ``not``,
+        lengths and string ``enum`` / ``const`` values exact; a pattern that cannot be widened, a
+        ``format`` and the other keywords read as any string)."""
+        trees, lo, hi = [], 0, None
+        try:
+            for d in (a, b):
+                lo = max(lo, self.nonneg_int(d, "minLength", "", 0))
+                h = self.nonneg_int(d, "maxLength", "")
+                hi = h if hi is None else hi if h is None else min(hi, h)
+                pats = d.get("pattern")
+                for pat in pats if isinstance(pats, tuple) else () if pats is None else (pats,):
+                    try:
+                        trees.extend(self.string_trees({"pattern": pat}, "", negated=True))
+                    except UnsupportedSchemaError:
+                        pass  # (any string)
+                values = [d["const"]] if "const" in d else d.get("enum")
+                if isinstance(values, list):
+                    strings = [v for v in values if isinstance(v, str)]
+                    if not strings:
+                        return True
+                    trees.append(alt_node([literal_node(v) for v in dict.fromkeys(strings)]))
+            if hi is not None and hi < lo:
+                return True
+            return combine(trees, [], lo, hi, max_positions=self.MAX_COMBINED_POSITIONS,
+                           deadline=self.deadline if self.deadline is not None else time.perf_counter() + 5.0) is None
+        except (FstBackendError, ValueError):
+            return False
 
     def string_trees(self, d: dict, ptr: str, negated: bool = False) -> list:
         """Trees (decoded characters, full match) of the ``pattern`` values (a search: any text on a side
