@@ -135,6 +135,7 @@ def _to_tree(trans: list[dict], final: list[bool], classes: list, max_positions:
     out: dict[int, dict[int, tuple]] = {s: {} for s in range(n + 2)}
     size: dict[tuple, int] = {}
     inn: dict[int, set] = {s: set() for s in range(n + 2)}
+    labels: dict[tuple, tuple] = {}  # (one tree per distinct set of classes: a class may name many characters)
 
     def add(p: int, q: int, t: tuple, n_pos: int) -> None:
         old = out[p].get(q)
@@ -150,7 +151,11 @@ def _to_tree(trans: list[dict], final: list[bool], classes: list, max_positions:
         for c, t in row.items():
             by_target.setdefault(t, []).append(c)
         for t, cs in by_target.items():
-            add(s, t, _label(classes, cs), 1)
+            key = tuple(sorted(cs))
+            label = labels.get(key)
+            if label is None:
+                label = labels[key] = _label(classes, key)
+            add(s, t, label, 1)
         if final[s]:
             add(s, E, _EPS, 0)
     add(S, 0, _EPS, 0)
