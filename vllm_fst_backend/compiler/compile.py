@@ -161,30 +161,27 @@ def compile_regex(regex: str, artifacts, options: CompileOptions | None = None, 
     # without a piece) is enforced by the canonical product (an acceptor component), see canonical_product
     policy = "no_ascii_with_piece" if options.canonical else options.byte_policy
     mask = allowed_token_mask(options, artifacts)
-    stats.update(char_states=cdfa.num_states, byte_states=bdfa.num_states, ms_char=1e3 * (t1 - t0),
-                 ms_byte=1e3 * (t2 - t1), ms_trie=1e3 * (t3 - t2))
     try:
-        out = _token_stages(bdfa, trie, policy, mask, artifacts, options, b, deadline, cdfa.num_states, stats, t3)
+        tdfa = build_token_dfa(bdfa, trie, policy, deadline=deadline, max_states=b.max_token_states, token_mask=mask)
+        t4 = time.perf_counter()
+        stats.update(char_states=cdfa.num_states, byte_states=bdfa.num_states, token_states=tdfa.num_states,
+                     ms_char=1e3 * (t1 - t0), ms_byte=1e3 * (t2 - t1), ms_trie=1e3 * (t3 - t2),
+                     ms_token=1e3 * (t4 - t3))
+        eos = artifacts.eos_ids
+        V = int(artifacts.vocab_size)
+        if options.canonical:
+            from .canonical_product import canonical_automaton
+
+            out = canonical_automaton(tdfa, artifacts, trie, eos, V, deadline=deadline,
+                                      n_char_states=cdfa.num_states, max_product_states=b.max_product_states,
+                                      stats=stats)
+        else:
+            from .explicit import explicit_from_token_dfa
+
+            out = explicit_from_token_dfa(tdfa, eos, V, stats=stats)
     except EmptyLanguageError as e:
         if mask is None:
             raise
         raise EmptyLanguageError(f"{e}, using only the {len(options.allowed_tokens)} allowed token ids", None) from None
     out.stats["ms_total"] = 1e3 * (time.perf_counter() - t0)
     return out
-
-
-def _token_stages(bdfa, trie, policy, mask, artifacts, options, b, deadline, n_char_states, stats, t3):
-    """Steps 4-5 of the module docstring: the token DFA (tokens of ``mask`` only, when given) and the
-    canonical product or the explicit automaton."""
-    tdfa = build_token_dfa(bdfa, trie, policy, deadline=deadline, max_states=b.max_token_states, token_mask=mask)
-    stats.update(token_states=tdfa.num_states, ms_token=1e3 * (time.perf_counter() - t3))
-    eos = artifacts.eos_ids
-    V = int(artifacts.vocab_size)
-    if options.canonical:
-        from .canonical_product import canonical_automaton
-
-        return canonical_automaton(tdfa, artifacts, trie, eos, V, deadline=deadline, n_char_states=n_char_states,
-                                   max_product_states=b.max_product_states, stats=stats)
-    from .explicit import explicit_from_token_dfa
-
-    return explicit_from_token_dfa(tdfa, eos, V, stats=stats)

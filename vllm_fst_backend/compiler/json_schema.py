@@ -184,7 +184,8 @@ from ..errors import (
     UnsupportedSchemaError,
 )
 from .json_refs import localize_refs
-from .regex_algebra import ANY_CHAR, combine
+from .regex_algebra import ANY_CHAR
+from .regex_algebra import combine as combine_languages
 from .limits import ENV_VARS, InputLimits, check_schema_obj
 from .regex_parse import (  # escape_literal: re-exported (one shared copy)
     alt_node,
@@ -1798,7 +1799,7 @@ class _Converter:
 
     def combine_strings(self, kw: str, ptr: str, pos: list, neg: list, lo: int, hi: int | None) -> tuple | None:
         try:
-            return combine(pos, neg, lo, hi, max_positions=self.MAX_COMBINED_POSITIONS, deadline=self.deadline
+            return combine_languages(pos, neg, lo, hi, max_positions=self.MAX_COMBINED_POSITIONS, deadline=self.deadline
                            if self.deadline is not None else time.perf_counter() + 5.0)
         except CompileBudgetError as e:
             if self.deadline is not None and time.perf_counter() > self.deadline:
@@ -1831,7 +1832,7 @@ class _Converter:
                     trees.append(alt_node([literal_node(v) for v in dict.fromkeys(strings)]))
             if hi is not None and hi < lo:
                 return True
-            return combine(trees, [], lo, hi, max_positions=self.MAX_COMBINED_POSITIONS,
+            return combine_languages(trees, [], lo, hi, max_positions=self.MAX_COMBINED_POSITIONS,
                            deadline=self.deadline if self.deadline is not None else time.perf_counter() + 5.0) is None
         except (FstBackendError, ValueError):
             return False

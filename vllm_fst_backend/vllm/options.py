@@ -1,6 +1,6 @@
 """Per-request options: the ``fst_*`` keys of ``SamplingParams.extra_args`` (``vllm_xargs`` in the
-request body) and vLLM's ``allowed_token_ids`` (a compile input for fst). The boolean environment flags (``env_flag``) live in :mod:`vllm_fst_backend.compiler.options`
-and are re-exported here."""
+request body) and vLLM's ``allowed_token_ids`` (a compile input for fst). The boolean environment flags
+(``env_flag``) live in :mod:`vllm_fst_backend.compiler.options` and are re-exported here."""
 
 from __future__ import annotations
 
