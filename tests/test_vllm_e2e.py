@@ -192,6 +192,37 @@ def test_json_schema(server, tok, eos_ids, how):
         _assert_canonical(tok, text, ids)
 
 
+#: keywords the converter reads since the twenty-sixth session: a $ref through an embedded $id and an $anchor,
+#: a pattern with a maxLength it does not imply and a not of string values (one string language), a oneOf
+#: whose alternatives omit "type": "object" (split by type)
+IDENTIFIERS_SCHEMA = {
+    "$id": "http://example.com/pet.json",
+    "$defs": {"name": {"$id": "name.json", "type": "string", "pattern": "^[A-Z][a-z]+$", "maxLength": 8,
+                       "not": {"enum": ["Rex", "Max"]}},
+              "kind": {"$anchor": "kind",
+                       "oneOf": [{"properties": {"species": {"const": "cat"}, "lives": {"type": "integer",
+                                                                                         "minimum": 1, "maximum": 9}},
+                                  "required": ["species", "lives"], "additionalProperties": False},
+                                 {"properties": {"species": {"const": "dog"}}, "required": ["species"],
+                                  "additionalProperties": False}]}},
+    "type": "object",
+    "properties": {"name": {"$ref": "name.json"}, "kind": {"$ref": "#kind"}},
+    "required": ["name", "kind"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_through_identifiers_and_combined_keywords(server, tok, eos_ids):
+    import jsonschema
+
+    extra = _json_request("response_format", IDENTIFIERS_SCHEMA)
+    prompt = "Describe a pet as JSON."
+    outs = _outputs(_chat(server, extra, prompt, max_tokens=64, temperature=1.0, n=3, seed=3), eos_ids)
+    for text, ids in outs:
+        jsonschema.validate(json.loads(text), IDENTIFIERS_SCHEMA)
+        _assert_canonical(tok, text, ids)
+
+
 BOUNDS_SCHEMA = {  # properties deliberately not in alphabetical order, nested too, integer bounds
     "type": "object",
     "properties": {
