@@ -1852,7 +1852,7 @@ class _Converter:
                 raise self.refuse("not", ptr, f"not of a pattern with \\d, \\w or \\s ({pat!r}): their ECMA-262 and "
                                               f"Python meanings differ")
             parts = []
-            for text, left, right in (_edge_anchors(a) for a in _split_alternatives(self.prescan_pattern(pat, ptr))):
+            for text, left, right in _anchored_alternatives(self.prescan_pattern(pat, ptr)):
                 t = self.parse_pattern(text, pat, ptr)
                 anywhere = rep_node(ANY_CHAR, 0, None)
                 end = _EPS_TREE if not negated else rep_node(literal_node("\n"), 0, 1)
@@ -1891,7 +1891,7 @@ class _Converter:
             raise self.invalid("pattern", ptr, f"must be a string, got {pat!r}")
         body = self.prescan_pattern(pat, ptr)
         # ECMA-262: each top-level alternative has its own anchors (``^a$|^b$``, ``^(a$)|(^b)``)
-        alts = [_edge_anchors(a) for a in _split_alternatives(body)]
+        alts = _anchored_alternatives(body)
         if len(alts) > 1:
             parts, los, his = [], [], []
             for text, left, right in alts:
@@ -2715,15 +2715,39 @@ def _split_alternatives(text: str) -> list[str]:
     return [text[a + 1 : b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
 
 
-def _whole_group_inner(text: str) -> str | None:
-    """The inside of ``text`` when it is one group (``(...)`` / ``(?:...)``) with a single alternative."""
+def _whole_group(text: str) -> str | None:
+    """The inside of ``text`` when it is one group (``(...)`` / ``(?:...)``)."""
     if not (text.startswith("(") and text.endswith(")")):
         return None
     close = next((i for i, c, d in _outside_classes(text) if c == ")" and d == 0), None)
     if close != len(text) - 1:
         return None
-    inner = text[3:-1] if text.startswith("(?:") else text[1:-1]
-    return inner if len(_split_alternatives(inner)) == 1 else None
+    return text[3:-1] if text.startswith("(?:") else text[1:-1]
+
+
+def _whole_group_inner(text: str) -> str | None:
+    """The inside of ``text`` when it is one group (``(...)`` / ``(?:...)``) with a single alternative."""
+    inner = _whole_group(text)
+    return inner if inner is not None and len(_split_alternatives(inner)) == 1 else None
+
+
+def _anchored_alternatives(text: str) -> list[tuple[str, bool, bool]]:
+    """The top-level alternatives of a pattern, each as ``(text, left anchored, right anchored)``
+    (:func:`_edge_anchors`); an alternative that is one group of several alternatives between its anchors is
+    distributed over them (``^([^,]|$)`` is ``^[^,]|^$``, ``^(a|b)$`` is ``^a$|^b$``: the same strings match)."""
+    out = []
+    for alt in _split_alternatives(text):
+        body, left, right = alt, False, False
+        if body.startswith("^"):
+            body, left = body[1:], True
+        if re.search(r"(?<!\\)(\\\\)*\$$", body):
+            body, right = body[:-1], True
+        inner = _whole_group(body)
+        if inner is not None and len(_split_alternatives(inner)) > 1:
+            out += [(t, left or l2, right or r2) for t, l2, r2 in _anchored_alternatives(inner)]
+        else:
+            out.append(_edge_anchors(alt))
+    return out
 
 
 def _edge_anchors(text: str) -> tuple[str, bool, bool]:
