@@ -23,7 +23,8 @@ Enforced exactly:
   keyword next to ``enum`` / ``const`` is exact, whatever it is);
 * strings: ``minLength`` / ``maxLength`` (code points, an escape counts one); ``pattern`` (translated to
   match the JSON-escaped text, see below; a search: a side without an anchor takes any text, and each
-  top-level alternative has its own ``^`` / ``$``, also inside a group that is the whole alternative);
+  top-level alternative has its own ``^`` / ``$``, also inside a group that is the whole alternative, a group of
+  several alternatives there distributed over them: ``^([^,]|$)`` is ``^[^,]|^$``);
   keywords that combine -- a ``pattern`` with lengths it does not imply, with a ``format`` or with another
   ``pattern`` (``allOf``), a ``not`` of string keywords (patterns, lengths, string ``enum`` / ``const``) --
   as one language over decoded characters (:mod:`.regex_algebra`: DFA intersection and complement, back
