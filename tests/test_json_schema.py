@@ -1088,6 +1088,23 @@ def test_contains_at_least_min_contains_elements(schema):
         assert bool(c.fullmatch(text)) == is_valid_text(schema, text), (schema, p)
 
 
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "contains": {"const": "a"}, "minContains": 0, "maxContains": 1},
+    {"type": "array", "contains": {"minimum": 5}, "maxContains": 1, "items": {"type": "integer"}},
+    {"type": "array", "contains": {"type": "string", "pattern": "^a"}, "minContains": 1, "maxContains": 2},
+    {"contains": {"type": "string"}, "minContains": 3, "maxContains": 2},
+])
+def test_max_contains_counts_the_elements_that_satisfy_contains(schema):
+    """maxContains: the elements that fail ``contains`` are written by its negation, so the count is exact."""
+    c = re.compile(assert_never_larger(schema))
+    v = validator(schema)
+    rnd = random.Random(8)
+    pool = [0, 1, 5, 7, -2, 1.5, "a", "ab", "b", None, True, []]
+    for i in range(3000):
+        x = [rnd.choice(pool) for _ in range(rnd.randint(0, 5))] if i % 3 else rnd.choice(pool)
+        assert bool(c.fullmatch(compact(x))) == v.is_valid(x), (schema, x)
+
+
 def test_contains_refusals():
     for schema, kw in [({"contains": {"const": 1}, "maxContains": 2}, "contains"),
                        ({"type": "array", "prefixItems": [{}], "contains": {}}, "contains"),
@@ -1283,6 +1300,8 @@ def _random_new_keyword_schema(rnd: random.Random, depth: int = 0):
             s["items"] = rnd.choice([{"type": ["integer", "string"]}, {}, sub()])
         if rnd.random() < 0.4:
             s["minContains"] = rnd.randint(0, 2)
+        if rnd.random() < 0.3:
+            s["maxContains"] = rnd.randint(1, 3)
         return s
     return {**leaf, "not": rnd.choice([{"type": "integer"}, {"type": "string"}, {"minimum": 2}, {"maxLength": 1},
                                         {"type": ["null", "boolean"]}, {"required": ["a", "b"]}, {"required": ["b"]},

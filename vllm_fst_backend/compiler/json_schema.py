@@ -59,7 +59,8 @@ Enforced exactly:
 * arrays: ``items`` (schema or ``false``), ``prefixItems``, ``minItems``, ``maxItems``,
   ``unevaluatedItems`` (as ``items`` when that is absent); ``uniqueItems`` when ``maxItems <= 1`` or the
   items are a single ``const``; ``contains`` with ``minContains`` (at least that many elements satisfy
-  both ``items`` and ``contains``) when there is no ``maxContains``, ``prefixItems``, ``unevaluatedItems``,
+  both ``items`` and ``contains``; with ``maxContains``, at most that many, where ``contains`` can be negated)
+  when there is no ``prefixItems``, ``unevaluatedItems``,
   ``maxItems``, ``uniqueItems`` or ``minItems`` above ``minContains``;
 * ``anyOf`` (union; sibling keywords, ``oneOf`` included, are distributed into each alternative);
   ``oneOf`` when the alternatives are provably pairwise disjoint (different types, disjoint ``const`` /
@@ -2036,10 +2037,14 @@ class _Converter:
     def contains(self, d: dict, ptr: str, nest: int) -> _R | None:
         """Arrays of ``items`` elements (any values without it) of which at least ``minContains`` (default 1)
         also satisfy ``contains`` C: ``E* B (E* B){m-1} E*`` with separators, B the elements of both
-        schemas (their ``allOf``). Refused with ``maxContains`` (it needs the elements that are not C),
-        ``prefixItems``, ``unevaluatedItems``, ``maxItems``, ``uniqueItems`` or ``minItems`` above m."""
+        schemas (their ``allOf``); with ``maxContains`` M: E the elements that fail C (C negated by
+        :meth:`negation`, refused where it cannot be), ``(E,)* B ((,E)* ,B){m-1,M-1} (,E)*`` (each element is
+        B or E, never both: the count of B is exact). Refused with ``prefixItems``, ``unevaluatedItems``,
+        ``maxItems``, ``uniqueItems`` or ``minItems`` above m."""
         m = self.nonneg_int(d, "minContains", ptr, 1)
-        for kw in ("maxContains", "prefixItems", "unevaluatedItems", "maxItems"):
+        if "maxContains" in d:
+            return self.contains_at_most(d, ptr, nest, m, self.nonneg_int(d, "maxContains", ptr))
+        for kw in ("prefixItems", "unevaluatedItems", "maxItems"):
             if kw in d:
                 raise self.refuse("contains", ptr, f"contains together with {kw} is not supported")
         if d.get("uniqueItems") is True:
@@ -2066,6 +2071,44 @@ class _Converter:
             self.tick()
             body = rx.cat(body, others, self.sep, both)
         return rx.cat(rx.lit("["), self.ws, body, others, self.ws, rx.lit("]"))
+
+    def contains_at_most(self, d: dict, ptr: str, nest: int, m: int, big_m: int) -> _R | None:
+        """:meth:`contains` with ``maxContains`` ``big_m``: between ``m`` and ``big_m`` elements satisfy C."""
+        for kw in ("prefixItems", "unevaluatedItems", "maxItems"):
+            if kw in d:
+                raise self.refuse("contains", ptr, f"contains together with {kw} is not supported")
+        if d.get("uniqueItems") is True:
+            raise self.refuse("contains", ptr, "contains together with uniqueItems is not supported")
+        if self.nonneg_int(d, "minItems", ptr, 0) > m:
+            raise self.refuse("contains", ptr, "contains together with a minItems above minContains is not "
+                                               "supported")
+        if m > big_m:
+            return None
+        items = self.schema_value(d["items"], "items", ptr) if "items" in d else True
+        c_ptr, i_ptr = _ptr_join(ptr, "contains"), _ptr_join(ptr, "items")
+        contains = self.schema_value(d["contains"], "contains", ptr)
+        try:
+            neg = self.negation(self.flatten(contains, c_ptr)[0], "contains", c_ptr)
+            both = self.node_and([(items, i_ptr), (contains, c_ptr)], c_ptr, nest + 1)
+            fail = None if neg is False else self.node_and([(items, i_ptr), (neg, c_ptr)], c_ptr, nest + 1)
+        except UnsupportedSchemaError as e:
+            raise self.refuse("contains", ptr, f"contains with maxContains needs the elements that fail contains, "
+                                               f"which cannot be written here ({e})") from None
+        rx = self.rx
+        parts = []
+        if m == 0 and fail is not None:  # (no element satisfies C: any array of the others, or none)
+            parts.append(rx.rep(rx.cat(fail, rx.rep(rx.cat(self.sep, fail), 0, None)), 0, 1))
+        elif m == 0:
+            parts.append(_EPS)
+        if both is not None and big_m >= 1:
+            lead = rx.rep(rx.cat(fail, self.sep), 0, None) if fail is not None else _EPS
+            gap = rx.rep(rx.cat(self.sep, fail), 0, None) if fail is not None else _EPS
+            more = rx.rep(rx.cat(gap, self.sep, both), max(m, 1) - 1, big_m - 1)
+            parts.append(rx.cat(lead, both, more, gap))
+        body = rx.alt(parts)
+        if body is None:
+            return None
+        return rx.cat(rx.lit("["), self.ws, body, self.ws, rx.lit("]"))
 
     def unique_items(self, d: dict, ptr: str, hi: int | None, elems: list, rest_schema: Any) -> int | None:
         if "uniqueItems" not in d:
