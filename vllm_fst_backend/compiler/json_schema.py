@@ -2042,8 +2042,6 @@ class _Converter:
         B or E, never both: the count of B is exact). Refused with ``prefixItems``, ``unevaluatedItems``,
         ``maxItems``, ``uniqueItems`` or ``minItems`` above m."""
         m = self.nonneg_int(d, "minContains", ptr, 1)
-        if "maxContains" in d:
-            return self.contains_at_most(d, ptr, nest, m, self.nonneg_int(d, "maxContains", ptr))
         for kw in ("prefixItems", "unevaluatedItems", "maxItems"):
             if kw in d:
                 raise self.refuse("contains", ptr, f"contains together with {kw} is not supported")
@@ -2052,6 +2050,8 @@ class _Converter:
         if self.nonneg_int(d, "minItems", ptr, 0) > m:
             raise self.refuse("contains", ptr, "contains together with a minItems above minContains is not "
                                                "supported")
+        if "maxContains" in d:
+            return self.contains_at_most(d, ptr, nest, m, self.nonneg_int(d, "maxContains", ptr))
         items = self.schema_value(d["items"], "items", ptr) if "items" in d else True
         c_ptr, i_ptr = _ptr_join(ptr, "contains"), _ptr_join(ptr, "items")
         rest = self.node(items, i_ptr, nest + 1)
@@ -2073,15 +2073,8 @@ class _Converter:
         return rx.cat(rx.lit("["), self.ws, body, others, self.ws, rx.lit("]"))
 
     def contains_at_most(self, d: dict, ptr: str, nest: int, m: int, big_m: int) -> _R | None:
-        """:meth:`contains` with ``maxContains`` ``big_m``: between ``m`` and ``big_m`` elements satisfy C."""
-        for kw in ("prefixItems", "unevaluatedItems", "maxItems"):
-            if kw in d:
-                raise self.refuse("contains", ptr, f"contains together with {kw} is not supported")
-        if d.get("uniqueItems") is True:
-            raise self.refuse("contains", ptr, "contains together with uniqueItems is not supported")
-        if self.nonneg_int(d, "minItems", ptr, 0) > m:
-            raise self.refuse("contains", ptr, "contains together with a minItems above minContains is not "
-                                               "supported")
+        """:meth:`contains` with ``maxContains`` ``big_m`` (its refusals checked there): between ``m`` and
+        ``big_m`` elements satisfy C."""
         if m > big_m:
             return None
         items = self.schema_value(d["items"], "items", ptr) if "items" in d else True
