@@ -59,23 +59,19 @@ def _needs_rewrite(node: Any, top: bool = True) -> bool:
 
 
 def _children(node: dict):
-    """(key path, subschema) of the subschemas of ``node`` at the keywords above."""
+    """The subschemas of ``node`` at the keywords above."""
     for k in _ONE:
         v = node.get(k)
         if isinstance(v, (dict, bool)):
-            yield (k,), v
+            yield v
     for k in _LIST:
         v = node.get(k)
         if isinstance(v, list):
-            for i, s in enumerate(v):
-                if isinstance(s, (dict, bool)):
-                    yield (k, i), s
+            yield from (s for s in v if isinstance(s, (dict, bool)))
     for k in _MAP:
         v = node.get(k)
         if isinstance(v, dict):
-            for name, s in v.items():
-                if isinstance(s, (dict, bool)):
-                    yield (k, name), s
+            yield from (s for s in v.values() if isinstance(s, (dict, bool)))
 
 
 def localize_refs(root: Any) -> Any:
@@ -148,7 +144,7 @@ def localize_refs(root: Any) -> Any:
             elif embedded or not (ref == "#" or ref.startswith("#/")):  # (a boolean schema: kept as it is)
                 raise UnsupportedSchemaError(f"JSON schema keyword '$ref' at #{at}: {ref!r} names a boolean "
                                              f"schema through an identifier", keyword="$ref", pointer=at)
-        lexical.extend((s, res, embedded) for _, s in _children(node))
+        lexical.extend((s, res, embedded) for s in _children(node))
 
     def copy(n: Any) -> Any:
         if isinstance(n, dict):

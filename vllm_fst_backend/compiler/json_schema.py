@@ -1101,7 +1101,7 @@ class _Converter:
                 out[name] = sub if name not in out or _json_equal(out[name], sub) else {"allOf": [out[name], sub]}
             return out
         if k == "pattern":  # both apply: the string keywords' intersection (type_string)
-            return tuple(dict.fromkeys((x if isinstance(x, tuple) else (x,)) + (y if isinstance(y, tuple) else (y,))))
+            return tuple(dict.fromkeys(_patterns({k: x}) + _patterns({k: y})))
         if k == _NOT_STRING:
             return tuple(x) + tuple(y)
         if k == "uniqueItems":
@@ -1792,7 +1792,7 @@ class _Converter:
         if values is not None:
             if not values:
                 return None
-            trees.append(alt_node([literal_node(v) for v in dict.fromkeys(values)]))
+            trees.append(_strings_tree(values))
         lo = self.nonneg_int(sub, "minLength", ptr, 0)
         hi = self.nonneg_int(sub, "maxLength", ptr)
         if hi is not None and hi < lo:
@@ -1800,9 +1800,11 @@ class _Converter:
         return self.combine_strings("not", ptr, trees, [], lo, hi)
 
     def combine_strings(self, kw: str, ptr: str, pos: list, neg: list, lo: int, hi: int | None) -> tuple | None:
+        """:func:`.regex_algebra.combine` within the converter's budgets; past the size budget refused (``kw``),
+        past the deadline :class:`CompileBudgetError`."""
+        deadline = self.deadline if self.deadline is not None else time.perf_counter() + 5.0
         try:
-            return combine_languages(pos, neg, lo, hi, max_positions=self.MAX_COMBINED_POSITIONS, deadline=self.deadline
-                           if self.deadline is not None else time.perf_counter() + 5.0)
+            return combine_languages(pos, neg, lo, hi, max_positions=self.MAX_COMBINED_POSITIONS, deadline=deadline)
         except CompileBudgetError as e:
             if self.deadline is not None and time.perf_counter() > self.deadline:
                 raise
@@ -1820,8 +1822,7 @@ class _Converter:
                 lo = max(lo, self.nonneg_int(d, "minLength", "", 0))
                 h = self.nonneg_int(d, "maxLength", "")
                 hi = h if hi is None else hi if h is None else min(hi, h)
-                pats = d.get("pattern")
-                for pat in pats if isinstance(pats, tuple) else () if pats is None else (pats,):
+                for pat in _patterns(d):
                     try:
                         trees.extend(self.string_trees({"pattern": pat}, "", negated=True))
                     except UnsupportedSchemaError:
@@ -1831,11 +1832,10 @@ class _Converter:
                     strings = [v for v in values if isinstance(v, str)]
                     if not strings:
                         return True
-                    trees.append(alt_node([literal_node(v) for v in dict.fromkeys(strings)]))
+                    trees.append(_strings_tree(strings))
             if hi is not None and hi < lo:
                 return True
-            return combine_languages(trees, [], lo, hi, max_positions=self.MAX_COMBINED_POSITIONS,
-                           deadline=self.deadline if self.deadline is not None else time.perf_counter() + 5.0) is None
+            return self.combine_strings("oneOf", "", trees, [], lo, hi) is None
         except (FstBackendError, ValueError):
             return False
 
@@ -1845,9 +1845,8 @@ class _Converter:
         hold every string the keyword matches, in ECMA-262's meaning and in Python's (``jsonschema``'s): a
         ``$`` also before a final newline (Python), and the constructs whose meanings differ, or that the
         translation narrows (``\\d \\w \\s`` and their negations, ``format``: a subset), are refused."""
-        pats = d.get("pattern")
         out = []
-        for pat in pats if isinstance(pats, tuple) else () if pats is None else (pats,):
+        for pat in _patterns(d):
             if not isinstance(pat, str):
                 raise self.invalid("pattern", ptr, f"must be a string, got {pat!r}")
             if negated and re.search(r"(?<!\\)(\\\\)*\\[dswDSW]", pat):
@@ -2082,11 +2081,16 @@ class _Converter:
         contains = self.schema_value(d["contains"], "contains", ptr)
         try:
             neg = self.negation(self.flatten(contains, c_ptr)[0], "contains", c_ptr)
-            both = self.node_and([(items, i_ptr), (contains, c_ptr)], c_ptr, nest + 1)
-            fail = None if neg is False else self.node_and([(items, i_ptr), (neg, c_ptr)], c_ptr, nest + 1)
         except UnsupportedSchemaError as e:
             raise self.refuse("contains", ptr, f"contains with maxContains needs the elements that fail contains, "
                                                f"which cannot be written here ({e})") from None
+        try:
+            both = self.node_and([(items, i_ptr), (contains, c_ptr)], c_ptr, nest + 1)
+            fail = None if neg is False else self.node_and([(items, i_ptr), (neg, c_ptr)], c_ptr, nest + 1)
+        except UnsupportedSchemaError as e:
+            if e.keyword != "allOf":
+                raise
+            raise self.refuse("contains", ptr, f"cannot merge contains with items: {e}") from None
         rx = self.rx
         parts = []
         if m == 0 and fail is not None:  # (no element satisfies C: any array of the others, or none)
@@ -2729,6 +2733,17 @@ def _outside_classes(text: str):
         i += 1
 
 
+def _patterns(d: dict) -> tuple:
+    """The ``pattern`` values of a flattened schema (a merge of two holds a tuple of them)."""
+    pats = d.get("pattern")
+    return pats if isinstance(pats, tuple) else () if pats is None else (pats,)
+
+
+def _strings_tree(values: list) -> tuple:
+    """Tree (decoded characters) of one of the strings ``values`` (not empty)."""
+    return alt_node([literal_node(v) for v in dict.fromkeys(values)])
+
+
 def _matches_raw_chars(tree) -> bool:
     """Whether a tree (over characters) can match a character JSON escapes (:data:`_RAW_CHAR_CPS`)."""
     stack = [tree]
@@ -2774,11 +2789,7 @@ def _anchored_alternatives(text: str) -> list[tuple[str, bool, bool]]:
     distributed over them (``^([^,]|$)`` is ``^[^,]|^$``, ``^(a|b)$`` is ``^a$|^b$``: the same strings match)."""
     out = []
     for alt in _split_alternatives(text):
-        body, left, right = alt, False, False
-        if body.startswith("^"):
-            body, left = body[1:], True
-        if re.search(r"(?<!\\)(\\\\)*\$$", body):
-            body, right = body[:-1], True
+        body, left, right = _strip_anchors(alt)
         inner = _whole_group(body)
         if inner is not None and len(_split_alternatives(inner)) > 1:
             out += [(t, left or l2, right or r2) for t, l2, r2 in _anchored_alternatives(inner)]
@@ -2787,14 +2798,21 @@ def _anchored_alternatives(text: str) -> list[tuple[str, bool, bool]]:
     return out
 
 
-def _edge_anchors(text: str) -> tuple[str, bool, bool]:
-    """(``text`` without the ``^`` at its start and the unescaped ``$`` at its end, also inside a group that
-    is the whole of it, left anchored, right anchored)."""
+def _strip_anchors(text: str) -> tuple[str, bool, bool]:
+    """(``text`` without the ``^`` at its start and the unescaped ``$`` at its end, left anchored, right
+    anchored)."""
     left = right = False
     if text.startswith("^"):
         text, left = text[1:], True
     if re.search(r"(?<!\\)(\\\\)*\$$", text):
         text, right = text[:-1], True
+    return text, left, right
+
+
+def _edge_anchors(text: str) -> tuple[str, bool, bool]:
+    """(``text`` without the ``^`` at its start and the unescaped ``$`` at its end, also inside a group that
+    is the whole of it, left anchored, right anchored)."""
+    text, left, right = _strip_anchors(text)
     inner = _whole_group_inner(text)
     if inner is not None:
         t2, l2, r2 = _edge_anchors(inner)

@@ -38,8 +38,8 @@ def normalize_token_ids(ids, name: str) -> tuple[int, ...]:
 
     Raises:
         InvalidOptionError: ``ids`` is not an iterable, is empty, or holds a bool, a non-integer or a
-            negative id (the message names ``name``). Ids past the vocabulary are the compiler's check
-            (it knows the vocabulary size).
+            negative id (the message names ``name``). Ids past the vocabulary are left to the compiler
+            (it knows the vocabulary size: :func:`.compile.allowed_token_mask` ignores them).
     """
     if isinstance(ids, (str, bytes)):
         raise InvalidOptionError(f"{name} must be a list of token ids, got {ids!r}")
